@@ -1,0 +1,157 @@
+"""tiledmlp: sequence-tiled MLPs that stay exact under DDP, FSDP1 and FSDP2.
+
+Public API:
+
+* :func:`enable_tiling` / :func:`disable_tiling` — patch (and restore) every recognized MLP block of a
+  model, bare or wrapped, per instance.
+* :func:`tiled_modules` — which modules are tiled, and with which strategy.
+* :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
+* :func:`register_mlp` — make a custom per-token module type recognizable.
+* :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
+from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
+from .runtime import TiledCallSpec
+from .sharding import ShardPolicy, auto_num_shards
+
+__all__ = [
+    "enable_tiling",
+    "disable_tiling",
+    "tiled_modules",
+    "apply_tiled_mlp",
+    "register_mlp",
+    "ShardPolicy",
+    "auto_num_shards",
+    "STRATEGY_NAMES",
+]
+__version__ = "0.1.0"
+
+_FORMS = ("auto", "generic")
+_OPTIONS = ("tile_tokens", "form", "grad_accum_dtype", "mlp_types", "include_moe")
+
+
+def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
+                  **options: Any) -> nn.Module:
+    """Tile every recognized MLP block of ``model`` in place (per instance; the root included).
+
+    Args:
+        model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
+            before wrapping with ``strategy="auto"``).
+        strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
+            ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``; a forced strategy must match the wrapping.
+        num_shards: shards per call; ``None`` is the automatic policy ``ceil(tokens / hidden)``.
+        tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
+        form: ``"auto"`` (fast GLU form where recognized and verified) or ``"generic"`` (always the
+            module's own forward).
+        grad_accum_dtype: dtype of the per-parameter gradient accumulators across shards; ``None``
+            is float32 for bf16/fp16 parameters with more than one shard, else the parameter dtype.
+        mlp_types: extra module types to tile with the generic form (see :func:`register_mlp`).
+        include_moe: tile MoE blocks (default True).
+
+    Returns the same ``model``. Calling it again re-configures (never double-wraps). On error
+    nothing is changed.
+
+    Memory: each tiled MLP keeps only its input (``tokens * hidden``) for backward, instead of
+    several ``tokens * intermediate`` activations; backward adds one shard's intermediates and one
+    gradient accumulator per trainable parameter. Communication: none added — each parameter's
+    gradient reaches the wrapper once per backward, as untiled.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
+    if strategy not in STRATEGY_NAMES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}")
+    form = options.get("form", "auto")
+    if form not in _FORMS:
+        raise ValueError(f"unknown form {form!r}; choose one of {list(_FORMS)}")
+    accum = options.get("grad_accum_dtype")
+    if accum is not None and not (isinstance(accum, torch.dtype) and accum.is_floating_point):
+        raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {accum!r}")
+    extra_types = tuple(options.get("mlp_types", ()))
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in extra_types):
+        raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
+    policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"))
+
+    states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum)
+    if not states:
+        raise ValueError(
+            f"no MLP block recognized in {type(model).__name__}. tiledmlp recognizes modules with "
+            "gate_proj/up_proj/down_proj or gate_up_proj/down_proj submodules (GLU MLPs), MoE blocks "
+            "(an 'experts' submodule beside a 'gate' or 'router'), and registered types. For a custom "
+            "per-token module, call tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a "
+            "single call, use tiledmlp.apply_tiled_mlp(fn, module, x)."
+        )
+    install(model, states)
+    return model
+
+
+def disable_tiling(model: nn.Module) -> nn.Module:
+    """Restore the original forwards of every tiled module in ``model``; returns ``model``."""
+    uninstall(model)
+    return model
+
+
+def tiled_modules(model: nn.Module) -> dict[str, str]:
+    """``{qualified name (as model.named_modules() gives it): strategy name}`` for tiled modules."""
+    return tiled_names(model)
+
+
+def _functional_strategy(module: nn.Module) -> Strategy:
+    """``apply_tiled_mlp`` sees only the MLP: FSDP2 if it is a unit, else the plain mechanics, which
+    are already DDP-correct (one gradient per parameter per backward)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return PlainStrategy()
+    if isinstance(module, FSDPModule):
+        return FSDP2Strategy([module])
+    return PlainStrategy()
+
+
+def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn.Module, x: torch.Tensor,
+                    num_shards: Optional[int] = None, compute_params: Optional[Sequence[torch.Tensor]] = None,
+                    ddp_safe: bool = False) -> Any:
+    """``fn(mlp_module, x)`` computed in token shards, with exact gradients (Liger/DeepSpeed call).
+
+    Args:
+        fn: computes the MLP on one shard, ``fn(mlp_module, x_shard)``; it may call the module.
+        mlp_module: the module whose parameters ``fn`` uses; all of its parameters are inputs of the
+            tiled autograd node.
+        x: ``[..., tokens, hidden]``; ``[B, T, H]`` is sharded over all ``B * T`` tokens.
+        num_shards: ``None`` for ``ceil(tokens / hidden)``.
+        compute_params: accepted for compatibility (DeepSpeed ZeRO); each must belong to
+            ``mlp_module``. Gradients are computed for every trainable parameter of the module.
+        ddp_safe: accepted for compatibility. The path is always DDP-safe: shard gradients are summed
+            inside one autograd node, so each parameter's hook fires once per backward and existing
+            ``.grad`` values (micro-batch accumulation) are never zeroed.
+
+    Memory and communication as for :func:`enable_tiling`.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable as fn(mlp_module, x_shard), got {type(fn).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError("x must be a tensor of shape [..., tokens, hidden] with at least 2 dims")
+    policy = ShardPolicy(num_shards=num_shards)
+    slots = param_slots(mlp_module)
+    if compute_params is not None:
+        known = {id(s.get()) for s in slots}
+        foreign = [tuple(p.shape) for p in compute_params if id(p) not in known]
+        if foreign:
+            raise ValueError(
+                f"compute_params has tensors of shapes {foreign} that are not parameters of mlp_module; "
+                "pass the module whose parameters fn uses."
+            )
+    if x.numel() == 0:
+        return fn(mlp_module, x)
+    spec = TiledCallSpec(name=type(mlp_module).__name__, slots=tuple(slots), policy=policy)
+    return spec(_functional_strategy(mlp_module), mlp_module, lambda xs: fn(mlp_module, xs), x)

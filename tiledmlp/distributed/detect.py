@@ -1,0 +1,100 @@
+"""How is a module wrapped? One function answers it, for enable time and for run time.
+
+Detection reads the model tree from the object ``enable_tiling`` was given (``named_modules()``) and
+two run-time signals that work when tiling was enabled *before* the model was wrapped:
+
+* DDP wraps the model in a new parent we cannot see from below, but marks itself active for the
+  duration of its forward (``DistributedDataParallel._active_ddp_module``);
+* FSDP2's ``fully_shard`` changes the class of the modules it shards, in place, so the tree we keep
+  a reference to shows it; FSDP1 replaces children with ``FullyShardedDataParallel`` wrappers in that
+  tree, or (root-only wrapping) turns the MLP's parameters into views of a flat parameter, which the
+  parameter slots reveal.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor"]
+
+
+class Wrapping(str, enum.Enum):
+    """The data-parallel wrapper that governs a module's parameters."""
+
+    NONE = "none"
+    DDP = "ddp"
+    FSDP1 = "fsdp1"
+    FSDP2 = "fsdp2"
+    DTENSOR = "dtensor"  # DTensor parameters without FSDP2 (tensor parallel): not supported
+
+
+def _fsdp2_module_type() -> Optional[type]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return None
+    return FSDPModule
+
+
+def _fsdp1_type() -> Optional[type]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def module_path(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """The modules from ``root`` down to ``target`` (both included); empty if target is not in root."""
+    by_name = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        by_name[name] = mod
+        if mod is target:
+            parts = name.split(".") if name else []
+            return [by_name[".".join(parts[:i])] for i in range(len(parts) + 1)]
+    return []
+
+
+def fsdp2_units_below(module: nn.Module) -> list[str]:
+    """Names of FSDP2 units strictly inside ``module`` (tiling cannot drive their hooks)."""
+    fsdp2 = _fsdp2_module_type()
+    if fsdp2 is None:
+        return []
+    return [name for name, m in module.named_modules() if name and isinstance(m, fsdp2)]
+
+
+def detect_wrapping(path: Sequence[nn.Module], params: Sequence[torch.Tensor] = (),
+                    flat_param_views: bool = False) -> Wrapping:
+    """Classify the wrapper of the last module of ``path`` (root first).
+
+    ``params`` are the MLP's parameter tensors as currently registered; ``flat_param_views`` says the
+    parameter slots no longer hold ``nn.Parameter`` objects (FSDP1 with ``use_orig_params=False``).
+    The innermost sharding wrapper wins; DDP only counts when nothing shards the parameters.
+    """
+    fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_type()
+    for mod in reversed(path):
+        if fsdp2 is not None and isinstance(mod, fsdp2):
+            return Wrapping.FSDP2
+        if fsdp1 is not None and isinstance(mod, fsdp1):
+            return Wrapping.FSDP1
+    if flat_param_views:
+        return Wrapping.FSDP1
+    if any(is_dtensor(p) for p in params):
+        return Wrapping.DTENSOR
+    if any(isinstance(mod, nn.parallel.DistributedDataParallel) for mod in path):
+        return Wrapping.DDP
+    if nn.parallel.DistributedDataParallel._active_ddp_module is not None:
+        return Wrapping.DDP
+    return Wrapping.NONE

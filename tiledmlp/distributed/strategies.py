@@ -1,0 +1,210 @@
+"""Strategies: what each data-parallel wrapper needs from a tiled MLP, one small class each.
+
+The tiled function already does the part every wrapper needs — one gradient per parameter per
+backward, no hook or collective inside it (see ``function.py``). What is left is wrapper-specific:
+
+=========  ==========================================================================================
+plain      nothing; parameters must be ordinary tensors.
+ddp        a trainable parameter no shard used still returns a zero gradient: DDP found it in the
+           graph (it is an input of the tiled node) and its reducer waits for it.
+no_sync    the name of the gradient-accumulation contract, not extra behaviour: tiling never issues a
+           collective, so ``ddp.no_sync()`` / ``set_requires_gradient_sync(False)`` are obeyed by
+           construction. Forcing it checks the model has a wrapper that syncs, and then behaves as
+           that wrapper's strategy.
+fsdp2      explicit unshard/reshard. Inside an FSDP2 unit's ``__call__`` the parameters are already
+           unsharded; when they are not (the MLP's own unit is called through ``forward`` or
+           ``apply_tiled_mlp`` from outside, or the unit resharded and nobody re-gathered before this
+           node's backward) the strategy unshards the owning unit itself and reshards it afterwards,
+           so a unit's ``__call__`` is never re-entered from backward.
+fsdp1      flat-parameter views are read through the parameter slots at call time; gradients flow
+           into the flat parameter once. GPU only (FSDP1 refuses CPU).
+=========  ==========================================================================================
+
+No strategy needs the ranks to agree on the shard count: the shard count changes only local compute,
+never the number or order of collectives, so ranks with different sequence lengths stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ClassVar, ContextManager, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .detect import Wrapping, is_dtensor
+
+__all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units"]
+
+
+class Strategy:
+    """Base strategy (also ``plain``). Instances are per tiled module and hold no tensors."""
+
+    name: ClassVar[str] = "plain"
+    wrapping: ClassVar[Wrapping] = Wrapping.NONE
+    #: see ``TileCall.zero_unused_grads``
+    zero_unused_grads: ClassVar[bool] = False
+
+    def __init__(self, units: Sequence[nn.Module] = ()) -> None:
+        # FSDP units owning the MLP's parameters (the MLP itself or its nearest FSDP ancestor).
+        self.units = tuple(units)
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module) -> Iterator[None]:
+        """Wraps reading the parameters and running the forward shards."""
+        yield
+
+    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
+        if any(is_dtensor(p) for p in params):
+            raise ValueError(
+                f"{module_name}: its parameters are DTensors (sharded by fully_shard or tensor "
+                f"parallel) but its strategy is '{self.name}'. Use strategy='fsdp2' (or 'auto') for "
+                "FSDP2; tensor-parallel MLPs are not supported yet."
+            )
+
+    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+        """Context factory for the recompute in backward (see ``TileCall.around_backward``)."""
+        return contextlib.nullcontext
+
+
+class PlainStrategy(Strategy):
+    """No data-parallel wrapper."""
+
+
+class DDPStrategy(Strategy):
+    """DistributedDataParallel: manual gradient accumulation (the tiled node), zero-filled unused."""
+
+    name = "ddp"
+    wrapping = Wrapping.DDP
+    zero_unused_grads = True
+
+
+def _storage_freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() == 0 and t.numel() > 0
+
+
+def _sharded_units(units: Sequence[nn.Module]) -> list[nn.Module]:
+    """The units whose parameters are currently sharded (registered as DTensors)."""
+    return [u for u in units if any(is_dtensor(p) for p in u.parameters(recurse=False))]
+
+
+class FSDP2Strategy(Strategy):
+    """``fully_shard``: explicit unshard/reshard of the owning unit when FSDP has not done it."""
+
+    name = "fsdp2"
+    wrapping = Wrapping.FSDP2
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module) -> Iterator[None]:
+        sharded = _sharded_units(self.units)
+        for unit in sharded:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in sharded:
+                unit.reshard()
+
+    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
+        if any(is_dtensor(p) for p in params):
+            raise ValueError(
+                f"{module_name}: parameters are still sharded DTensors after unsharding the FSDP2 "
+                "units that own it. Apply fully_shard to this MLP or a module above it, not to a "
+                "module inside it, and do not combine it with tensor parallelism."
+            )
+
+    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+        units = self.units
+
+        @contextlib.contextmanager
+        def regather() -> Iterator[None]:
+            # FSDP2's pre-backward hook normally re-gathers before this node runs; if the storage of
+            # the unsharded parameters is still freed, nobody did, so do it here and undo it after.
+            freed = any(_storage_freed(p) for p in params)
+            if freed:
+                for unit in units:
+                    unit.unshard()
+            try:
+                yield
+            finally:
+                if freed:
+                    for unit in units:
+                        unit.reshard()
+
+        return regather
+
+
+class FSDP1Strategy(Strategy):
+    """``FullyShardedDataParallel`` (flat or original parameters)."""
+
+    name = "fsdp1"
+    wrapping = Wrapping.FSDP1
+
+
+class NoSyncStrategy(Strategy):
+    """Gradient accumulation under ``no_sync`` for whichever syncing wrapper the model has."""
+
+    name = "no_sync"
+
+    def __init__(self, inner: Strategy) -> None:
+        super().__init__(inner.units)
+        self.inner = inner
+        self.zero_unused_grads = inner.zero_unused_grads  # type: ignore[misc]
+
+    def forward_context(self, module: nn.Module):
+        return self.inner.forward_context(module)
+
+    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
+        self.inner.check_params(module_name, params)
+
+    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+        return self.inner.backward_context(params)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy)
+}
+STRATEGY_NAMES = ("auto", *STRATEGIES)
+_BY_WRAPPING = {cls.wrapping: cls for cls in (PlainStrategy, DDPStrategy, FSDP2Strategy, FSDP1Strategy)}
+
+
+def strategy_for(wrapping: Wrapping, units: Sequence[nn.Module] = ()) -> Strategy:
+    """The strategy ``auto`` picks for a wrapping."""
+    if wrapping is Wrapping.DTENSOR:
+        raise ValueError(
+            "the MLP's parameters are DTensors but no FSDP2 unit (fully_shard) owns them: tensor "
+            "parallel MLPs are not supported yet. Tile a data-parallel model instead."
+        )
+    return _BY_WRAPPING[wrapping](units)
+
+
+def validate_forced(name: str, wrapping: Wrapping, module_name: str, units: Sequence[nn.Module] = ()) -> Strategy:
+    """The strategy for a forced ``name``; ValueError naming the fitting one when it does not match."""
+    fits = strategy_for(wrapping, units)
+    if name == "no_sync":
+        if wrapping is Wrapping.NONE:
+            raise ValueError(
+                f"strategy='no_sync' needs a wrapper that synchronizes gradients (DDP, FSDP1, FSDP2), "
+                f"but {module_name} is not wrapped. Use strategy='plain' or 'auto', or wrap the model "
+                "first (or enable tiling with strategy='auto' before wrapping)."
+            )
+        return NoSyncStrategy(fits)
+    if name != fits.name:
+        raise ValueError(
+            f"strategy='{name}' does not match how {module_name} is wrapped ({wrapping.value}): "
+            f"use strategy='{fits.name}' or strategy='auto'."
+        )
+    return fits
+
+
+def owning_units(path: Sequence[nn.Module], wrapping: Wrapping) -> list[nn.Module]:
+    """FSDP2 units that own the parameters of ``path[-1]``: the MLP itself if it is a unit, else the
+    nearest ancestor unit (FSDP2 assigns a module's parameters to the closest enclosing unit)."""
+    if wrapping is not Wrapping.FSDP2:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in reversed(path):
+        if isinstance(mod, FSDPModule):
+            return [mod]
+    return []

@@ -1,0 +1,258 @@
+"""The tiled autograd function: one autograd node for the whole MLP, shards inside it.
+
+Design note — why parameters are explicit inputs
+------------------------------------------------
+The anchors (Liger, DeepSpeed, Axolotl, Unsloth) call ``torch.autograd.backward`` once per shard, so
+every parameter's ``AccumulateGrad`` node — and every hook a wrapper put on it (DDP's reducer, FSDP1's
+post-backward) — fires once per shard. Here the parameters are inputs of :class:`TiledMLPFunction`.
+Backward recomputes each shard against *detached leaf copies* of the parameters, asks the form for the
+shard's gradients (no ``AccumulateGrad``, no hook, no collective can run on a detached leaf), sums them,
+and returns the sums. Autograd then accumulates each parameter's gradient exactly once per backward, as
+for any other op, so every data-parallel wrapper sees an ordinary node.
+
+Design note — what stays alive
+------------------------------
+Forward saves only the token matrix ``x`` (``[tokens, hidden]``) with ``save_for_backward``, so
+saved-tensor hooks (activation offload, non-reentrant checkpointing) see it. Parameters are held by
+reference on ``ctx`` and are *not* saved: an offload hook would otherwise copy weights to the host, and
+FSDP re-materializes the same unsharded tensors before this node's backward runs. Outputs and the input
+gradient are written shard by shard into buffers allocated once (no ``torch.cat`` doubling), and every
+shard but the last has the same size, so the caching allocator reuses one set of per-shard temporaries.
+
+Memory: forward keeps ``O(tokens * hidden)``; backward's transient peak is one shard's intermediates
+plus one gradient accumulator per trainable parameter. No communication happens in this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
+
+__all__ = ["Form", "TileCall", "GradAccumulator", "run_tiled", "in_shard"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_state = threading.local()
+
+
+def in_shard() -> bool:
+    """True while a form computes one shard (so a tiled module called from inside it runs untiled)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _shard_scope():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+class Form(Protocol):
+    """How one MLP is computed from a token shard and its parameter tensors (see ``forms.py``)."""
+
+    #: True when the computation draws random numbers (dropout, router jitter): the RNG state is then
+    #: captured in forward and replayed so that backward recomputes the same shards.
+    stochastic: bool
+
+    def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        """Outputs for token rows ``x`` (``[rows, hidden]``), each token-leading (``[rows, ...]``) or None."""
+
+    def backward_shard(
+        self,
+        x: torch.Tensor,
+        grad_outputs: Sequence[Optional[torch.Tensor]],
+        params: Sequence[torch.Tensor],
+        dx_out: Optional[torch.Tensor],
+        grads: "GradAccumulator",
+    ) -> None:
+        """Recompute one shard; write its input gradient into ``dx_out`` and add weight grads to ``grads``."""
+
+
+@dataclass
+class TileCall:
+    """Everything one tiled call needs besides the tensors: what to compute and how to cut it.
+
+    ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard);
+    ``zero_unused_grads`` makes a trainable parameter that no shard used get zeros instead of ``None``
+    (DDP's reducer waits for every parameter it saw in the graph).
+    """
+
+    form: Form
+    shard_rows: int
+    around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    zero_unused_grads: bool = False
+    grad_accum_dtype: Optional[torch.dtype] = None
+
+
+class GradAccumulator:
+    """Sums per-shard parameter gradients, once per parameter per backward.
+
+    A low-precision parameter (bf16/fp16) split over several shards accumulates in float32, so the sum
+    of shard gradients rounds once at the end like the untiled GEMM's fp32 accumulation does; this costs
+    one float32 buffer per trainable parameter during this module's backward only.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], needs: Sequence[bool], num_shards: int,
+                 accum_dtype: Optional[torch.dtype]) -> None:
+        self._params = params
+        self.needs = tuple(needs)
+        self._sums: list[Optional[torch.Tensor]] = [None] * len(params)
+        self._dtypes = [
+            accum_dtype or (torch.float32 if p.dtype in _LOW_PRECISION and num_shards > 1 else p.dtype)
+            for p in params
+        ]
+
+    def add(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Add a shard's gradient ``grad`` (any dtype, parameter shape) for parameter ``i``."""
+        if grad is None:
+            return
+        acc = self._sums[i]
+        if acc is None:
+            self._sums[i] = grad.to(self._dtypes[i], copy=grad.dtype == self._dtypes[i])
+        else:
+            acc.add_(grad)
+
+    def addmm(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``grad_i += a @ b`` without a temporary when the operands have the accumulator's dtype."""
+        acc = self._sums[i]
+        if acc is None:
+            self._sums[i] = torch.mm(a, b).to(self._dtypes[i])
+        elif acc.dtype == a.dtype:
+            acc.addmm_(a, b)
+        else:
+            acc.add_(torch.mm(a, b))
+
+    def results(self) -> list[Optional[torch.Tensor]]:
+        out: list[Optional[torch.Tensor]] = []
+        for p, need, acc in zip(self._params, self.needs, self._sums):
+            if not need:
+                out.append(None)
+            elif acc is None:
+                out.append(None)
+            else:
+                out.append(acc.to(p.dtype))
+        return out
+
+
+def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:
+    return [(start, min(start + shard_rows, rows)) for start in range(0, rows, shard_rows)]
+
+
+class _RngReplay:
+    """Captures the RNG state at forward and replays it for the recompute (like ``checkpoint`` does)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.devices = [device] if device.type not in ("cpu", "meta") else []
+        self.cpu_state = torch.get_rng_state()
+        self.device_states = [torch.get_device_module(d).get_rng_state(d) for d in self.devices]
+
+    @contextlib.contextmanager
+    def replay(self):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.devices[0].type if self.devices else "cuda"):
+            torch.set_rng_state(self.cpu_state)
+            for d, s in zip(self.devices, self.device_states):
+                torch.get_device_module(d).set_rng_state(s, d)
+            yield
+
+
+class _AutocastReplay:
+    """Re-enters the forward's autocast state in backward, so a recompute rounds like the forward did."""
+
+    _DEVICES = ("cuda", "cpu")
+
+    def __init__(self) -> None:
+        self.states = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self._DEVICES]
+
+    def __call__(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for device, enabled, dtype in self.states:
+            # Only touch devices whose state differs: a disabled "cuda" autocast warns on CPU-only builds.
+            if enabled or torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled))
+        return stack
+
+
+def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """Run every shard and write its outputs into buffers allocated once, at the first shard."""
+    buffers: list[Optional[torch.Tensor]] = []
+    rows = x.shape[0]
+    for idx, (start, stop) in enumerate(_shard_bounds(rows, call.shard_rows)):
+        with record_function("tiledmlp::forward_shard"), _shard_scope():
+            outs = call.form.forward_shard(x[start:stop], params)
+        if idx == 0:
+            buffers = [None if o is None else o.new_empty((rows, *o.shape[1:])) for o in outs]
+        for buf, o in zip(buffers, outs):
+            if buf is not None:
+                buf[start:stop].copy_(o)
+    return tuple(buffers)
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """``outputs = MLP(x)`` computed shard by shard; gradients accumulated once per backward.
+
+    Inputs: a :class:`TileCall`, the token matrix ``x`` (``[tokens, hidden]``, contiguous) and every
+    parameter tensor the form reads (trainable or frozen; frozen ones get ``None``).
+    """
+
+    @staticmethod
+    def forward(ctx, call: TileCall, x: torch.Tensor, *params: torch.Tensor):
+        ctx.call = call
+        ctx.params = params  # by reference, deliberately not saved (see the module's design note)
+        ctx.rng = _RngReplay(x.device) if call.form.stochastic else None
+        ctx.autocast = _AutocastReplay()
+        ctx.save_for_backward(x)
+        with record_function("tiledmlp::forward"):
+            outs = _forward_shards(call, x, params)
+        ctx.mark_non_differentiable(*[o for o in outs if o is not None and not o.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
+        call: TileCall = ctx.call
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        needs_x = ctx.needs_input_grad[1]
+        bounds = _shard_bounds(x.shape[0], call.shard_rows)
+        grads = GradAccumulator(params, ctx.needs_input_grad[2:], len(bounds), call.grad_accum_dtype)
+        dx = torch.empty_like(x) if needs_x else None
+        # A single upstream gradient that is all-None (outputs unused) still recomputes nothing.
+        if all(g is None for g in grad_outputs):
+            return (None, None if dx is None else dx.zero_(), *grads.results())
+        rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
+            for start, stop in bounds:
+                shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
+                with record_function("tiledmlp::backward_shard"), _shard_scope():
+                    call.form.backward_shard(
+                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads
+                    )
+        results = grads.results()
+        if call.zero_unused_grads:
+            results = [
+                torch.zeros_like(p) if need and r is None else r
+                for p, need, r in zip(params, grads.needs, results)
+            ]
+        return (None, dx, *results)
+
+
+def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """Compute ``call.form`` over the token matrix ``x`` in shards of ``call.shard_rows`` tokens.
+
+    Builds the autograd node only when something needs a gradient; under ``torch.no_grad()`` (or with
+    nothing trainable) the shards run without any graph, so inference gets the same memory savings.
+    """
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return TiledMLPFunction.apply(call, x, *params)
+    with torch.no_grad():
+        return _forward_shards(call, x, params)

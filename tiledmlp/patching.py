@@ -1,0 +1,324 @@
+"""Find MLP blocks by structure, patch their forwards per instance, and undo it.
+
+Recognized (outermost match wins, so experts inside a tiled MoE block are not tiled again):
+
+* GLU MLPs: submodules ``gate_proj``, ``up_proj``, ``down_proj`` (Llama, Mistral, Qwen, Gemma,
+  OLMo, Granite, ...) or ``gate_up_proj`` + ``down_proj`` (Phi-3, GLM-4). When the projections are
+  plain ``nn.Linear`` and the activation (``act_fn``/``activation_fn``) is SiLU, GELU or tanh-GELU,
+  the fast GLU form is used — after a numerical probe on a few random tokens confirms that the
+  module's own forward computes exactly ``down(act(gate(x)) * up(x))``. Anything else with those
+  names (PEFT-LoRA projections, a custom forward) uses the generic form.
+* MoE blocks: a ``experts`` submodule next to a ``gate`` or ``router`` submodule (Mixtral, Qwen-MoE).
+* Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
+
+Patching sets an instance attribute ``forward`` (the class is never touched) and keeps the previous
+instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .distributed.detect import Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, module_path
+from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
+from .forms import GLUForm, GLULayout, Slot, activation_name
+from .function import in_shard
+from .runtime import TiledCallSpec, dedupe
+from .sharding import ShardPolicy
+
+__all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "uninstall", "tiled_names", "STATE_ATTR"]
+
+log = logging.getLogger("tiledmlp")
+STATE_ATTR = "_tiledmlp_state"
+_MISSING = object()
+_REGISTERED: list[type] = []
+_ACT_ATTRS = ("act_fn", "activation_fn")
+
+
+def register_mlp(module_type: type) -> type:
+    """Tile every instance of ``module_type`` (any per-token module) with the generic form.
+
+    Usable as a decorator. The module's forward must map ``[..., tokens, hidden]`` to outputs whose
+    leading dims are the tokens' (each token computed independently of the others).
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_mlp takes an nn.Module subclass, got {module_type!r}")
+    if module_type not in _REGISTERED:
+        _REGISTERED.append(module_type)
+    return module_type
+
+
+# ----------------------------------------------------------------------------------------------
+# Recognition
+
+
+@dataclass
+class Recognized:
+    kind: str  # "glu" (fast form), "generic", "moe"
+    slots: tuple[Slot, ...]
+    glu: Optional[tuple[str, GLULayout]] = None
+
+
+def param_slots(module: nn.Module) -> list[Slot]:
+    """Every parameter slot in ``module``'s subtree (where the parameter is registered)."""
+    return [
+        Slot(owner, pname)
+        for _, owner in module.named_modules()
+        for pname, p in owner._parameters.items()
+        if p is not None
+    ]
+
+
+def _flatparam_slots(module: nn.Module) -> list[Slot]:
+    """FSDP1 with flat parameters: the original parameters' (module, name) from the flat params."""
+    slots: list[Slot] = []
+    inside = {id(m) for m in module.modules()}
+    for owner in module.modules():
+        for p in owner.parameters(recurse=False):
+            for info in getattr(p, "_param_infos", ()):
+                if id(info.module) in inside:
+                    slots.append(Slot(info.module, info.param_name))
+    return slots
+
+
+def _plain_linear(m: Any) -> bool:
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward)
+
+
+def _glu_layout(module: nn.Module, slots: list[Slot]) -> Optional[tuple[str, GLULayout]]:
+    """The GLU layout over ``slots`` if the module is structurally a plain-Linear GLU."""
+    act = next((getattr(module, a) for a in _ACT_ATTRS if hasattr(module, a)), None)
+    activation = activation_name(act)
+    fused = hasattr(module, "gate_up_proj")
+    names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    linears = [getattr(module, n, None) for n in names]
+    if activation is None or not all(_plain_linear(m) for m in linears):
+        return None
+    where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
+
+    def idx(lin: nn.Module, pname: str) -> Optional[int]:
+        return where.get((id(lin), pname))
+
+    if fused:
+        gu, down = linears
+        layout = GLULayout(idx(gu, "weight"), idx(gu, "bias"), None, None, idx(down, "weight"), idx(down, "bias"))
+    else:
+        gate, up, down = linears
+        layout = GLULayout(idx(gate, "weight"), idx(gate, "bias"), idx(up, "weight"), idx(up, "bias"),
+                           idx(down, "weight"), idx(down, "bias"))
+    if None in (layout.gate_w, layout.down_w) or (not fused and layout.up_w is None):
+        return None
+    return activation, layout
+
+
+def _probe_agrees(module: nn.Module, forward, slots: list[Slot], glu: tuple[str, GLULayout]) -> bool:
+    """Run the module's forward and the GLU form on 3 random tokens; True if they agree.
+
+    Skipped (True) where the weights cannot be computed with here (meta tensors, sharded DTensors):
+    the structural match decides alone.
+    """
+    params, index = dedupe([s.get() for s in slots])
+    w = params[glu[1].gate_w]
+    if w.device.type == "meta" or any(is_dtensor(p) for p in params):
+        return True
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(3, w.shape[-1], generator=gen, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        ref = forward(x)
+        got = GLUForm(glu[0], glu[1]).forward_shard(x, [params[i] for i in index])[0]
+    if not isinstance(ref, torch.Tensor) or ref.shape != got.shape:
+        return False
+    tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+    return bool((ref - got).abs().max() <= tol * ref.abs().max().clamp_min(1e-6))
+
+
+def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
+              form: str = "auto") -> Optional[Recognized]:
+    """What tiling ``module`` means, or None if it is not a recognized MLP block."""
+    slots = param_slots(module) or _flatparam_slots(module)
+    if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
+        return Recognized("generic", tuple(slots))
+    is_glu = all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) or all(
+        isinstance(getattr(module, n, None), nn.Module) for n in ("gate_up_proj", "down_proj")
+    )
+    if is_glu:
+        glu = _glu_layout(module, slots) if form == "auto" else None
+        if glu is not None and not _probe_agrees(module, _original_forward(module), slots, glu):
+            log.warning("%s has GLU structure but its forward differs from down(act(gate(x)) * up(x)); "
+                        "using the generic form", type(module).__name__)
+            glu = None
+        return Recognized("glu" if glu else "generic", tuple(slots), glu)
+    is_moe = isinstance(getattr(module, "experts", None), nn.Module) and any(
+        isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router")
+    )
+    if is_moe and include_moe:
+        return Recognized("moe", tuple(slots))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-instance state and the patched forward
+
+
+@dataclass
+class TilingState:
+    """Everything the patched forward of one module needs."""
+
+    spec: TiledCallSpec
+    kind: str
+    input_name: str
+    saved_forward: Any  # the instance forward before patching, or _MISSING
+    forced: Optional[Strategy]  # a forced (or enable-time-wrapped) strategy; None: detect per call
+    # Weak references to the modules from the root to this one, for run-time detection when tiling
+    # was enabled before wrapping (fully_shard changes those modules' classes in place). Weak, so a
+    # deep copy of one MLP does not drag the whole model along.
+    path: list = field(default_factory=list)
+    _auto: dict = field(default_factory=dict)  # Wrapping → Strategy, for strategy="auto"
+
+    def strategy(self, module: nn.Module) -> Strategy:
+        if self.forced is not None:
+            return self.forced
+        path = [m for m in (ref() for ref in self.path) if m is not None]
+        if not path or path[-1] is not module:
+            path = [module]
+        wrapping = _wrapping_of(path, self.spec.slots)
+        if wrapping not in self._auto:
+            self._auto[wrapping] = strategy_for(wrapping, owning_units(path, wrapping))
+        return self._auto[wrapping]
+
+    def __getstate__(self):  # picklable: weak references and run-time caches are dropped
+        return {**self.__dict__, "path": [], "_auto": {}}
+
+
+def _wrapping_of(path: list[nn.Module], slots: Iterable[Slot]) -> Wrapping:
+    params = [s.get() for s in slots]
+    return detect_wrapping(path, params, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params))
+
+
+def _original_forward(module: nn.Module):
+    state = module.__dict__.get(STATE_ATTR)
+    saved = state.saved_forward if state is not None else module.__dict__.get("forward", _MISSING)
+    return saved if saved is not _MISSING else types.MethodType(type(module).forward, module)
+
+
+def _split_input(state: TilingState, args: tuple, kwargs: dict):
+    """``(x, rebuild)``: the MLP input and a function that rebuilds the call with a shard in its place."""
+    if args:
+        return args[0], lambda xs: ((xs, *args[1:]), kwargs)
+    if state.input_name in kwargs:
+        rest = {k: v for k, v in kwargs.items() if k != state.input_name}
+        return kwargs[state.input_name], lambda xs: ((), {state.input_name: xs, **rest})
+    return None, None
+
+
+def _has_tensor(values: Iterable[Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _tiled_forward(module: nn.Module, *args, **kwargs):
+    state: TilingState = module.__dict__[STATE_ATTR]
+    original = _original_forward(module)
+    x, rebuild = _split_input(state, args, kwargs)
+    if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
+        return original(*args, **kwargs)
+    extra = list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
+    if _has_tensor(extra):
+        raise ValueError(
+            f"{state.spec.name}: the tiled forward got extra tensor arguments besides its input; tiling "
+            "splits only the input's tokens, so per-token extras would be misaligned. Disable tiling "
+            "for this module (tiledmlp.disable_tiling) or pass only the hidden states."
+        )
+
+    def shard_forward(xs: torch.Tensor):
+        a, kw = rebuild(xs)
+        return original(*a, **kw)
+
+    return state.spec(state.strategy(module), module, shard_forward, x, glu_allowed=not extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# Install / uninstall
+
+
+def _input_name(forward) -> str:
+    params = [p for p in inspect.signature(forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return params[0].name if params else "hidden_states"
+
+
+def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
+         include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype]) -> dict[str, TilingState]:
+    """Recognize and validate every MLP of ``model`` without changing anything."""
+    states: dict[str, TilingState] = {}
+    covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
+    for name, module in model.named_modules():
+        if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
+            continue
+        rec = recognize(module, extra_types, include_moe, form)
+        if rec is None:
+            continue
+        covered.append(name)
+        label = name or type(module).__name__
+        nested = fsdp2_units_below(module)
+        if nested:
+            raise ValueError(
+                f"{label}: fully_shard was applied to {nested} inside this MLP; tiling recomputes the "
+                "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
+                "above it (e.g. the decoder layer) instead."
+            )
+        path = module_path(model, module)
+        wrapping = _wrapping_of(path, rec.slots)
+        units = owning_units(path, wrapping)
+        if strategy == "auto":
+            forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units)
+        else:
+            forced = validate_forced(strategy, wrapping, label, units)
+        previous = module.__dict__.get(STATE_ATTR)
+        saved = previous.saved_forward if previous is not None else module.__dict__.get("forward", _MISSING)
+        spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, glu=rec.glu,
+                             is_moe=rec.kind == "moe", grad_accum_dtype=grad_accum_dtype)
+        states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), saved, forced,
+                                   [weakref.ref(m) for m in path])
+    return states
+
+
+def install(model: nn.Module, states: dict[str, TilingState]) -> None:
+    modules = dict(model.named_modules())
+    for name, state in states.items():
+        module = modules[name]
+        module.__dict__[STATE_ATTR] = state
+        module.forward = types.MethodType(_tiled_forward, module)
+
+
+def uninstall(model: nn.Module) -> None:
+    for _, module in model.named_modules():
+        state = module.__dict__.pop(STATE_ATTR, None)
+        if state is None:
+            continue
+        if state.saved_forward is _MISSING:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = state.saved_forward
+
+
+def tiled_names(model: nn.Module) -> dict[str, str]:
+    """Qualified name → strategy name, resolving ``auto`` against the model given (it may be the wrapper)."""
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        state = module.__dict__.get(STATE_ATTR)
+        if state is None:
+            continue
+        if state.forced is not None:
+            out[name] = state.forced.name
+            continue
+        out[name] = strategy_for(_wrapping_of(module_path(model, module), state.spec.slots)).name
+    return out
+

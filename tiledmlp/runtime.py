@@ -1,0 +1,106 @@
+"""One tiled call: read the parameters through their slots, ask the strategy, run the function.
+
+Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call:
+strategy forward context (may unshard) → read parameter tensors through the slots (so wrappers'
+current tensors are used) → strategy check → shard size → tiled function → outputs reshaped back to
+the input's leading dims.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from .distributed.strategies import Strategy
+from .forms import GLUForm, GLULayout, ModuleForm, Slot
+from .function import TileCall, run_tiled
+from .sharding import ShardPolicy
+
+__all__ = ["TiledCallSpec", "dedupe"]
+
+
+def dedupe(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Unique tensors (by identity) and, per input position, the index of its unique tensor."""
+    unique: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
+    index = []
+    for t in tensors:
+        key = id(t)
+        if key not in seen:
+            seen[key] = len(unique)
+            unique.append(t)
+        index.append(seen[key])
+    return unique, index
+
+
+def _check_router_logits_not_recorded(name: str) -> None:
+    """Refuse Hugging Face's ``output_router_logits`` recording while training a tiled MoE block.
+
+    Transformers records router logits with forward hooks on the router. Tiled, the router runs once
+    per shard under ``no_grad``: the logits would be recorded shard by shard and carry no gradient,
+    so the auxiliary load-balancing loss would silently stop training the router.
+    """
+    capture = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capture, "_active_collector", None)
+    recorded = collector.get() if collector is not None else None
+    if recorded and "router_logits" in recorded and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name}: output_router_logits=True (auxiliary load-balancing loss) cannot be combined with "
+            "a tiled MoE block — the router would run per shard without gradient. Set "
+            "output_router_logits=False, or enable tiling with include_moe=False to leave MoE blocks "
+            "untiled."
+        )
+
+
+@dataclass
+class TiledCallSpec:
+    """What a tiled module computes, fixed at enable time; ``__call__`` runs one call."""
+
+    name: str
+    slots: tuple[Slot, ...]
+    policy: ShardPolicy
+    glu: Optional[tuple[str, GLULayout]] = None  # (activation, layout over slot indices)
+    is_moe: bool = False
+    grad_accum_dtype: Optional[torch.dtype] = None
+
+    def __call__(self, strategy: Strategy, module: nn.Module, forward: Callable[[torch.Tensor], Any],
+                 x: torch.Tensor, glu_allowed: bool = True):
+        """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form)."""
+        hidden = x.shape[-1]
+        with record_function("tiledmlp::call"), strategy.forward_context(module):
+            tensors, index = dedupe([slot.get() for slot in self.slots])
+            strategy.check_params(self.name, tensors)
+            if self.is_moe:
+                _check_router_logits_not_recorded(self.name)
+            if self.glu is not None and glu_allowed:
+                activation, lay = self.glu
+                form: Any = GLUForm(activation, _remap(lay, index))
+            else:
+                form = ModuleForm(forward, self.slots, index, x.dim())
+            call = TileCall(
+                form=form,
+                shard_rows=self.policy.shard_rows(x.numel() // hidden, hidden),
+                around_backward=strategy.backward_context(tensors),
+                zero_unused_grads=strategy.zero_unused_grads,
+                grad_accum_dtype=self.grad_accum_dtype,
+            )
+            outs = run_tiled(call, x.reshape(-1, hidden), tensors)
+        if isinstance(form, GLUForm):
+            return outs[0].view(*x.shape[:-1], outs[0].shape[-1])
+        restored = tuple(
+            o if o is None or not lead else o.view(*x.shape[:-1], *o.shape[1:])
+            for o, lead in zip(outs, form.leading_outputs)
+        )
+        return restored if form.returned_tuple else restored[0]
+
+
+def _remap(lay: GLULayout, index: Sequence[int]) -> GLULayout:
+    def m(i: Optional[int]) -> Optional[int]:
+        return None if i is None else index[i]
+
+    return GLULayout(m(lay.gate_w), m(lay.gate_b), m(lay.up_w), m(lay.up_b), m(lay.down_w), m(lay.down_b))
