@@ -120,14 +120,17 @@ class GradAccumulator:
             acc.add_(grad)
 
     def addmm(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """``grad_i += a @ b`` without a temporary when the operands have the accumulator's dtype."""
+        """``grad_i += a @ b``. Same dtypes: in place, no temporary. A float32 accumulator with
+        low-precision operands takes the GEMM's float32 result before any rounding."""
         acc = self._sums[i]
-        if acc is None:
-            self._sums[i] = torch.mm(a, b).to(self._dtypes[i])
-        elif acc.dtype == a.dtype:
+        if acc is not None and acc.dtype == a.dtype:
             acc.addmm_(a, b)
+            return
+        part = _mm_float32(a, b) if self._dtypes[i] == torch.float32 and a.dtype in _LOW_PRECISION else torch.mm(a, b)
+        if acc is None:
+            self._sums[i] = part.to(self._dtypes[i])
         else:
-            acc.add_(torch.mm(a, b))
+            acc.add_(part)
 
     def results(self) -> list[Optional[torch.Tensor]]:
         out: list[Optional[torch.Tensor]] = []
@@ -139,6 +142,13 @@ class GradAccumulator:
             else:
                 out.append(acc.to(p.dtype))
         return out
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 16-bit operands with a float32 result (the GEMM accumulates in fp32 anyway)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:

@@ -223,6 +223,22 @@ def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
 
+class TiledForward:
+    """The instance ``forward`` installed on a tiled module. A small class rather than a bound method
+    so that pickling and deep copies of the model keep tiling."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _tiled_forward(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return (TiledForward, (self.module,))
+
+
 def _tiled_forward(module: nn.Module, *args, **kwargs):
     state: TilingState = module.__dict__[STATE_ATTR]
     original = _original_forward(module)
@@ -295,7 +311,7 @@ def install(model: nn.Module, states: dict[str, TilingState]) -> None:
     for name, state in states.items():
         module = modules[name]
         module.__dict__[STATE_ATTR] = state
-        module.forward = types.MethodType(_tiled_forward, module)
+        module.forward = TiledForward(module)
 
 
 def uninstall(model: nn.Module) -> None:
