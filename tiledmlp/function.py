@@ -19,6 +19,19 @@ FSDP re-materializes the same unsharded tensors before this node's backward runs
 gradient are written shard by shard into buffers allocated once (no ``torch.cat`` doubling), and every
 shard but the last has the same size, so the caching allocator reuses one set of per-shard temporaries.
 
+Design note — checkpointing without a third forward
+---------------------------------------------------
+Under activation checkpointing a tiled MLP would run its forward three times: forward, checkpoint's
+recompute, and the per-shard recompute in its own backward. The tiled node therefore saves nothing
+itself: a tiny identity node in front of it (:class:`_InputKeeper`) saves ``x`` and the tiled node
+reads it from there in backward. In the original forward that save is the last one of the MLP, so
+non-reentrant checkpointing (``use_reentrant=False``), whose recompute stops as soon as every saved
+tensor is back (``early_stop``), stops *before* the tiled forward runs whenever nothing after the MLP
+in the checkpointed region saves a tensor (Llama-style ``residual + mlp(x)``). The MLP's forward then
+runs twice, not three times, and a checkpointed tiled layer does less MLP work than a checkpointed
+untiled one (22 vs 24 · tokens · hidden · intermediate FLOP). Reentrant checkpointing has no early
+stop and still runs three forwards.
+
 Memory: forward keeps ``O(tokens * hidden)``; backward's transient peak is one shard's intermediates
 plus one gradient accumulator per trainable parameter. No communication happens in this module.
 """
@@ -204,20 +217,36 @@ def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
     return tuple(buffers)
 
 
+class _InputKeeper(torch.autograd.Function):
+    """Identity that saves ``x`` for the tiled node (see "checkpointing without a third forward")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class TiledMLPFunction(torch.autograd.Function):
     """``outputs = MLP(x)`` computed shard by shard; gradients accumulated once per backward.
 
-    Inputs: a :class:`TileCall`, the token matrix ``x`` (``[tokens, hidden]``, contiguous) and every
-    parameter tensor the form reads (trainable or frozen; frozen ones get ``None``).
+    Inputs: a :class:`TileCall`, the token matrix ``x`` (``[tokens, hidden]``, contiguous), the
+    :class:`_InputKeeper` node that saved ``x`` (None when ``x`` needs no grad: then this node saves
+    it) and every parameter tensor the form reads (trainable or frozen; frozen ones get ``None``).
     """
 
     @staticmethod
-    def forward(ctx, call: TileCall, x: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, call: TileCall, x: torch.Tensor, keeper: Optional[Any], *params: torch.Tensor):
         ctx.call = call
         ctx.params = params  # by reference, deliberately not saved (see the module's design note)
         ctx.rng = _RngReplay(x.device) if call.form.stochastic else None
         ctx.autocast = _AutocastReplay()
-        ctx.save_for_backward(x)
+        ctx.keeper = keeper
+        if keeper is None:
+            ctx.save_for_backward(x)
         with record_function("tiledmlp::forward"):
             outs = _forward_shards(call, x, params)
         ctx.mark_non_differentiable(*[o for o in outs if o is not None and not o.is_floating_point()])
@@ -228,15 +257,15 @@ class TiledMLPFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
         call: TileCall = ctx.call
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else ctx.saved_tensors
         params = ctx.params
         needs_x = ctx.needs_input_grad[1]
         bounds = _shard_bounds(x.shape[0], call.shard_rows)
-        grads = GradAccumulator(params, ctx.needs_input_grad[2:], len(bounds), call.grad_accum_dtype)
+        grads = GradAccumulator(params, ctx.needs_input_grad[3:], len(bounds), call.grad_accum_dtype)
         dx = torch.empty_like(x) if needs_x else None
         # A single upstream gradient that is all-None (outputs unused) still recomputes nothing.
         if all(g is None for g in grad_outputs):
-            return (None, None if dx is None else dx.zero_(), *grads.results())
+            return (None, None if dx is None else dx.zero_(), None, *grads.results())
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
             for start, stop in bounds:
@@ -251,7 +280,7 @@ class TiledMLPFunction(torch.autograd.Function):
                 torch.zeros_like(p) if need and r is None else r
                 for p, need, r in zip(params, grads.needs, results)
             ]
-        return (None, dx, *results)
+        return (None, dx, None, *results)
 
 
 def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -263,6 +292,9 @@ def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -
     if not x.is_contiguous():
         x = x.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return TiledMLPFunction.apply(call, x, *params)
+        if x.requires_grad:
+            x = _InputKeeper.apply(x)
+            return TiledMLPFunction.apply(call, x, x.grad_fn, *params)
+        return TiledMLPFunction.apply(call, x, None, *params)
     with torch.no_grad():
         return _forward_shards(call, x, params)
