@@ -35,7 +35,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _FORMS = ("auto", "generic")
-_OPTIONS = ("tile_tokens", "form", "grad_accum_dtype", "mlp_types", "include_moe")
+_OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe")
 
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
@@ -47,8 +47,14 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             before wrapping with ``strategy="auto"``).
         strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
             ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``; a forced strategy must match the wrapping.
-        num_shards: shards per call; ``None`` is the automatic policy ``ceil(tokens / hidden)``.
+        num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
+            for the fast GLU form the fastest shard (up to 8192 tokens) whose backward scratch fits
+            ``scratch_mib``; for the generic form ``ceil(tokens / hidden)`` shards.
         tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
+        inter_chunks: blocks of the intermediate dimension per shard in the fast GLU backward
+            (scratch shrinks by that factor); None: automatic.
+        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 1024): the
+            speed/memory knob of the automatic policy.
         form: ``"auto"`` (fast GLU form where recognized and verified) or ``"generic"`` (always the
             module's own forward).
         grad_accum_dtype: dtype of the per-parameter gradient accumulators across shards; ``None``
@@ -80,7 +86,8 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     extra_types = tuple(options.get("mlp_types", ()))
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in extra_types):
         raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
-    policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"))
+    policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
+                         inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
 
     states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum)
     if not states:

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .function import GradAccumulator
+from .function import GradAccumulator, addmm_, mm_into
 from .kernels import glu_backward_, glu_forward
 
-__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped"]
+__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped", "chunk_bounds"]
 
 
 @dataclass(frozen=True)
@@ -198,32 +198,56 @@ def _get(params: Sequence[torch.Tensor], i: Optional[int]) -> Optional[torch.Ten
     return None if i is None else params[i]
 
 
+def chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` near-equal ``[start, stop)`` blocks of ``range(size)`` (fewer if ``size`` is small)."""
+    step = -(-size // max(1, chunks))
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
 class GLUForm:
-    """Fast form for ``down(act(gate(x)) * up(x))`` (SwiGLU, GEGLU, tanh-GEGLU; split or fused)."""
+    """Fast form for ``down(act(gate(x)) * up(x))`` (SwiGLU, GEGLU, tanh-GEGLU; split or fused).
+
+    Backward works on one token shard in ``inter_chunks`` blocks of the intermediate dimension: per
+    block it recomputes the gate and up columns, computes ``dh = g @ W_down[:, block]``, and the fused
+    kernel overwrites those three ``[rows, block]`` buffers with ``h``, ``d_gate`` and ``d_up``. Weight
+    gradients go block by block into the float32 accumulators (the down projection's kept transposed
+    so its column block is contiguous). Blocks let a shard hold more tokens — fewer passes over the
+    accumulators, longer GEMM reductions — for the same scratch; with several blocks the input
+    gradient of the shard is summed in a float32 ``[rows, hidden]`` buffer.
+    """
 
     stochastic = False
 
-    def __init__(self, activation: str, layout: GLULayout) -> None:
+    def __init__(self, activation: str, layout: GLULayout, inter_chunks: int = 1) -> None:
         self.activation = activation
         self.layout = layout
+        self.inter_chunks = inter_chunks
 
-    def _gate_up(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
-        """Recompute the projections: ``(gate, up, fused_buffer_or_None)``, each ``[rows, I]``."""
+    def _weights(self, params: Sequence[torch.Tensor], start: int, stop: int, inter: int):
+        """``(gate weight, gate bias, up weight, up bias, row offset of up in its parameter)`` for a
+        block of the intermediate dimension."""
+        lay = self.layout
+        gate_w, gate_b = params[lay.gate_w], _get(params, lay.gate_b)
+        if lay.fused:
+            up_w, up_b, up_offset = gate_w, gate_b, inter
+        else:
+            up_w, up_b, up_offset = params[lay.up_w], _get(params, lay.up_b), 0
+        sl, up_sl = slice(start, stop), slice(up_offset + start, up_offset + stop)
+        return (gate_w[sl], None if gate_b is None else gate_b[sl],
+                up_w[up_sl], None if up_b is None else up_b[up_sl], up_offset)
+
+    def forward_shard(self, x, params):
         lay = self.layout
         if lay.fused:
             gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
             half = gu.shape[-1] // 2
-            return gu[:, :half], gu[:, half:], gu
-        gate = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
-        up = F.linear(x, params[lay.up_w], _get(params, lay.up_b))
-        return gate, up, None
-
-    def forward_shard(self, x, params):
-        gate, up, fused = self._gate_up(x, params)
-        # Split layout: h overwrites the contiguous gate buffer. Fused: h gets its own contiguous buffer
-        # so the down GEMM reads dense rows.
-        h = glu_forward(gate, up, self.activation, out=None if fused is not None else gate)
-        return (F.linear(h, params[self.layout.down_w], _get(params, self.layout.down_b)),)
+            # h gets its own contiguous buffer so the down GEMM reads dense rows.
+            h = glu_forward(gu[:, :half], gu[:, half:], self.activation)
+        else:
+            gate = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
+            up = F.linear(x, params[lay.up_w], _get(params, lay.up_b))
+            h = glu_forward(gate, up, self.activation, out=gate)  # h overwrites the gate buffer
+        return (F.linear(h, params[lay.down_w], _get(params, lay.down_b)),)
 
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator) -> None:
         (g,) = grad_outputs
@@ -232,45 +256,60 @@ class GLUForm:
                 dx_out.zero_()
             return
         lay, needs = self.layout, grads.needs
-        gate, up, fused = self._gate_up(x, params)
-        cdt = gate.dtype  # compute dtype (differs from the parameters' under autocast)
-        g = g.to(cdt)
-        w_down = params[lay.down_w].to(cdt)
-        dh = torch.mm(g, w_down)
-        # In place: dh <- h, gate <- d_gate, up <- d_up. No [rows, I] buffer is allocated.
-        glu_backward_(dh, gate, up, self.activation)
-        if needs[lay.down_w]:
-            grads.addmm(lay.down_w, g.t(), dh)
+        w_down = params[lay.down_w]
+        inter = w_down.shape[1]
+        blocks = chunk_bounds(inter, self.inter_chunks)
+        dx_acc = None
+        for start, stop in blocks:
+            gate_w, gate_b, up_w, up_b, up_offset = self._weights(params, start, stop, inter)
+            whole_fused = lay.fused and len(blocks) == 1
+            if whole_fused:  # one GEMM for both projections, and one each for their gradients
+                gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
+                gate, up = gu[:, :inter], gu[:, inter:]
+            else:
+                gate, up = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
+            cdt = gate.dtype  # the compute dtype (differs from the parameters' under autocast)
+            gc, xc = g.to(cdt), x.to(cdt)
+            dh = torch.mm(gc, w_down[:, start:stop].to(cdt))
+            glu_backward_(dh, gate, up, self.activation)  # dh <- h, gate <- d_gate, up <- d_up
+            if needs[lay.down_w] and len(blocks) == 1:
+                grads.addmm(lay.down_w, gc.t(), dh)
+            elif needs[lay.down_w]:  # a column block of W_down is a row block of its transpose
+                grads.addmm(lay.down_w, dh.t(), gc, rows=slice(start, stop), transposed=True)
+            if whole_fused:
+                self._projection_grads(gu, lay.gate_w, lay.gate_b, slice(None), xc, grads)
+            else:
+                self._projection_grads(gate, lay.gate_w, lay.gate_b, slice(start, stop), xc, grads)
+                up_w_idx, up_b_idx = (lay.gate_w, lay.gate_b) if lay.fused else (lay.up_w, lay.up_b)
+                self._projection_grads(up, up_w_idx, up_b_idx, slice(up_offset + start, up_offset + stop), xc, grads)
+            if dx_out is None:
+                continue
+            if dx_acc is None:
+                # One block straight into the output rows; several blocks sum in float32 first.
+                single = len(blocks) == 1 and dx_out.dtype == cdt
+                dx_acc = dx_out if single else torch.empty(dx_out.shape, dtype=_sum_dtype(cdt), device=x.device)
+                if whole_fused:
+                    mm_into(dx_acc, gu, params[lay.gate_w].to(cdt))
+                    continue
+                mm_into(dx_acc, gate, gate_w.to(cdt))
+                addmm_(dx_acc, up, up_w.to(cdt))
+                continue
+            for d, w in ((gate, gate_w), (up, up_w)):
+                addmm_(dx_acc, d, w.to(cdt))
         if lay.down_b is not None and needs[lay.down_b]:
             grads.add(lay.down_b, g.sum(0))
-        xc = x.to(cdt)
-        if fused is not None:
-            self._backward_projection(fused, lay.gate_w, lay.gate_b, xc, grads)
-            if dx_out is not None:
-                self._into(dx_out, torch.mm, fused, params[lay.gate_w].to(cdt))
-            return
-        self._backward_projection(gate, lay.gate_w, lay.gate_b, xc, grads)
-        self._backward_projection(up, lay.up_w, lay.up_b, xc, grads)
-        if dx_out is not None:
-            w_gate, w_up = params[lay.gate_w].to(cdt), params[lay.up_w].to(cdt)
-            if dx_out.dtype == cdt:
-                torch.mm(gate, w_gate, out=dx_out)
-                dx_out.addmm_(up, w_up)
-            else:
-                dx_out.copy_(torch.addmm(torch.mm(gate, w_gate), up, w_up))
+        if dx_acc is not None and dx_acc is not dx_out:
+            dx_out.copy_(dx_acc)
 
     @staticmethod
-    def _backward_projection(d_out: torch.Tensor, w: int, b: Optional[int], x: torch.Tensor,
-                             grads: GradAccumulator) -> None:
-        """Weight and bias gradients of ``d_out = x @ W.T + b`` given ``d_out``'s gradient."""
+    def _projection_grads(d_out: torch.Tensor, w: int, b: Optional[int], rows: slice, x: torch.Tensor,
+                          grads: GradAccumulator) -> None:
+        """Weight and bias gradients of ``out = x @ W[rows].T + b[rows]`` given ``out``'s gradient."""
         if grads.needs[w]:
-            grads.addmm(w, d_out.t(), x)
+            grads.addmm(w, d_out.t(), x, rows=rows)
         if b is not None and grads.needs[b]:
-            grads.add(b, d_out.sum(0))
+            grads.add(b, d_out.sum(0), rows=rows)
 
-    @staticmethod
-    def _into(out: torch.Tensor, op, a: torch.Tensor, b: torch.Tensor) -> None:
-        if out.dtype == a.dtype:
-            op(a, b, out=out)
-        else:
-            out.copy_(op(a, b))
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

@@ -27,7 +27,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .distributed.detect import Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, module_path
+from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
+                                  module_path)
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .forms import GLUForm, GLULayout, Slot, activation_name
 from .function import in_shard
@@ -68,25 +69,32 @@ class Recognized:
 
 
 def param_slots(module: nn.Module) -> list[Slot]:
-    """Every parameter slot in ``module``'s subtree (where the parameter is registered)."""
+    """Every parameter slot in ``module``'s subtree (where the parameter is registered).
+
+    FSDP1 flat parameters are left out: the module computes with views of them, read through the
+    original parameters' slots (see :func:`_flatparam_slots`).
+    """
     return [
         Slot(owner, pname)
         for _, owner in module.named_modules()
         for pname, p in owner._parameters.items()
-        if p is not None
+        if p is not None and not getattr(p, "_is_flat_param", False)
     ]
 
 
-def _flatparam_slots(module: nn.Module) -> list[Slot]:
-    """FSDP1 with flat parameters: the original parameters' (module, name) from the flat params."""
-    slots: list[Slot] = []
+def _flatparam_slots(module: nn.Module, root: nn.Module) -> list[Slot]:
+    """FSDP1 with flat parameters: the original parameters' (module, name) inside ``module``.
+
+    FSDP1 registers a flat parameter on the module it wraps — often an ancestor of the MLP (the
+    decoder layer, the root) — so the flat parameters are searched from ``root``.
+    """
     inside = {id(m) for m in module.modules()}
-    for owner in module.modules():
-        for p in owner.parameters(recurse=False):
-            for info in getattr(p, "_param_infos", ()):
-                if id(info.module) in inside:
-                    slots.append(Slot(info.module, info.param_name))
-    return slots
+    return [
+        Slot(info.module, info.param_name)
+        for p in root.parameters()
+        for info in getattr(p, "_param_infos", ())
+        if id(info.module) in inside
+    ]
 
 
 def _plain_linear(m: Any) -> bool:
@@ -122,12 +130,16 @@ def _glu_layout(module: nn.Module, slots: list[Slot]) -> Optional[tuple[str, GLU
 def _probe_agrees(module: nn.Module, forward, slots: list[Slot], glu: tuple[str, GLULayout]) -> bool:
     """Run the module's forward and the GLU form on 3 random tokens; True if they agree.
 
-    Skipped (True) where the weights cannot be computed with here (meta tensors, sharded DTensors):
-    the structural match decides alone.
+    Skipped (True) where the weights cannot be computed with outside the wrapper's forward (meta
+    tensors, FSDP2's sharded DTensors, FSDP1's flat-parameter views or ``use_orig_params`` 1-D
+    shards): the structural match decides alone.
     """
     params, index = dedupe([s.get() for s in slots])
-    w = params[glu[1].gate_w]
-    if w.device.type == "meta" or any(is_dtensor(p) for p in params):
+    lay = glu[1]
+    w = params[lay.gate_w]
+    weights = [params[i] for i in (lay.gate_w, lay.up_w, lay.down_w) if i is not None]
+    if (w.device.type == "meta" or any(is_dtensor(p) or not isinstance(p, nn.Parameter) for p in params)
+            or any(p.dim() != 2 for p in weights)):
         return True
     gen = torch.Generator(device=w.device).manual_seed(0)
     x = torch.randn(3, w.shape[-1], generator=gen, device=w.device, dtype=w.dtype)
@@ -141,9 +153,14 @@ def _probe_agrees(module: nn.Module, forward, slots: list[Slot], glu: tuple[str,
 
 
 def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
-              form: str = "auto") -> Optional[Recognized]:
-    """What tiling ``module`` means, or None if it is not a recognized MLP block."""
-    slots = param_slots(module) or _flatparam_slots(module)
+              form: str = "auto", root: Optional[nn.Module] = None) -> Optional[Recognized]:
+    """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
+    recognized MLP block."""
+    if is_fsdp1_wrapper(module):
+        # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
+        # wrapped module is tiled instead (tiling the wrapper would gather parameters per shard).
+        return None
+    slots = param_slots(module) or _flatparam_slots(module, root if root is not None else module)
     if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
         return Recognized("generic", tuple(slots))
     is_glu = all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) or all(
@@ -278,7 +295,7 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, extra_types, include_moe, form)
+        rec = recognize(module, extra_types, include_moe, form, root=model)
         if rec is None:
             continue
         covered.append(name)

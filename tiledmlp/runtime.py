@@ -77,14 +77,19 @@ class TiledCallSpec:
             strategy.check_params(self.name, tensors)
             if self.is_moe:
                 _check_router_logits_not_recorded(self.name)
+            tokens = x.numel() // hidden
             if self.glu is not None and glu_allowed:
                 activation, lay = self.glu
-                form: Any = GLUForm(activation, _remap(lay, index))
+                lay = _remap(lay, index)
+                w_down = tensors[lay.down_w]
+                shard_rows, chunks = self.policy.glu_tile(tokens, w_down.shape[-1], _compute_itemsize(x, w_down))
+                form: Any = GLUForm(activation, lay, chunks)
             else:
+                shard_rows = self.policy.shard_rows(tokens, hidden)
                 form = ModuleForm(forward, self.slots, index, x.dim())
             call = TileCall(
                 form=form,
-                shard_rows=self.policy.shard_rows(x.numel() // hidden, hidden),
+                shard_rows=shard_rows,
                 around_backward=strategy.backward_context(tensors),
                 zero_unused_grads=strategy.zero_unused_grads,
                 grad_accum_dtype=self.grad_accum_dtype,
@@ -97,6 +102,13 @@ class TiledCallSpec:
             for o, lead in zip(outs, form.leading_outputs)
         )
         return restored if form.returned_tuple else restored[0]
+
+
+def _compute_itemsize(x: torch.Tensor, w: torch.Tensor) -> int:
+    """Bytes per element of the recomputed activations (autocast's dtype when it is on)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.finfo(torch.get_autocast_dtype(x.device.type)).bits // 8
+    return w.element_size()
 
 
 def _remap(lay: GLULayout, index: Sequence[int]) -> GLULayout:

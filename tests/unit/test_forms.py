@@ -235,3 +235,36 @@ def test_apply_tiled_mlp_rejects_bad_arguments():
         tiledmlp.apply_tiled_mlp(lambda m, s: m(s), mlp, torch.randn(1, 8, 32), num_shards=0)
     with pytest.raises(ValueError, match="at least 2 dims"):
         tiledmlp.apply_tiled_mlp(lambda m, s: m(s), mlp, torch.randn(32))
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_backward_in_intermediate_blocks(chunks, bias):
+    """Blocks of the intermediate dimension (more blocks than columns is fine: fewer are used)."""
+    tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
+    tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
+    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+
+
+def test_fused_glu_backward_in_intermediate_blocks_with_frozen_parts():
+    torch.manual_seed(0)
+    tiled, ref = pair(Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=72, hidden_act="silu")))
+    for m in (tiled, ref):
+        m.down_proj.weight.requires_grad_(False)
+    tiledmlp.enable_tiling(tiled, num_shards=4, inter_chunks=3)
+    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    assert tiled.down_proj.weight.grad is None
+
+
+def test_glu_blocks_under_autocast():
+    tiled, ref = pair(llama_mlp())
+    tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=4)
+    x = torch.randn(2, 29, 32)
+    xt, xr = leaf_like(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yt, yr = tiled(xt), ref(xr)
+    g = torch.randn_like(yr)
+    yt.backward(g)
+    yr.backward(g)
+    assert_close_rel(xt.grad, xr.grad, 2e-2, "input grad")
+    assert_grads_match(tiled, ref, 2e-2)

@@ -25,13 +25,14 @@ def _grads(module, x, g, dtype):
     return {"output": y.detach(), "input grad": xx.grad, **{n: p.grad for n, p in module.named_parameters()}}
 
 
-@pytest.mark.parametrize("form", ["auto", "generic"])
+@pytest.mark.parametrize("form, inter_chunks", [("auto", 1), ("auto", 4), ("generic", None)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_tiled_error_within_untiled_error(form, seed):
+def test_bf16_tiled_error_within_untiled_error(form, inter_chunks, seed):
     base = llama_mlp(H, I, seed=seed)
     ref = copy.deepcopy(base).double()
     untiled = copy.deepcopy(base).bfloat16()
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=SHARDS, form=form)
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=SHARDS, form=form,
+                                   inter_chunks=inter_chunks)
     gen = torch.Generator().manual_seed(100 + seed)
     x, g = torch.randn(1, T, H, generator=gen), torch.randn(1, T, H, generator=gen)
     want = _grads(ref, x, g, torch.float64)

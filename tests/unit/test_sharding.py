@@ -10,9 +10,28 @@ from tiledmlp import ShardPolicy, auto_num_shards
 
 
 @pytest.mark.parametrize("tokens, hidden, shards", [(1, 4096, 1), (4096, 4096, 1), (4097, 4096, 2), (131072, 4096, 32)])
-def test_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
+def test_generic_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
     assert auto_num_shards(tokens, hidden) == shards
     assert ShardPolicy().shard_rows(tokens, hidden) == math.ceil(tokens / shards)
+
+
+@pytest.mark.parametrize("tokens, inter, scratch_mib, tile", [
+    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 672 MiB of scratch <= 1024
+    (9000, 14336, None, (4500, 1)),  # two equal shards rather than 8192 + 808
+    (4000, 14336, None, (4000, 1)),  # short sequences: one shard
+    (131072, 28672, None, (5958, 1)),  # Llama-70B: 6144 fit the budget, made 22 equal shards
+    (131072, 14336, 256, (3049, 1)),  # a tighter budget: 3072 fit, made 43 equal shards
+    (131072, 14336, 64, (1024, 2)),  # below 1024 tokens the intermediate dimension is split
+])
+def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, scratch_mib, tile):
+    rows, chunks = ShardPolicy(scratch_mib=scratch_mib).glu_tile(tokens, inter, itemsize=2)
+    assert (rows, chunks) == tile
+    assert 3 * rows * -(-inter // chunks) * 2 <= (scratch_mib or 1024) * 2**20 or rows == 1024
+
+
+def test_glu_fixed_tiles_override_the_budget():
+    assert ShardPolicy(tile_tokens=2048, inter_chunks=3).glu_tile(10000, 14336, 2) == (2048, 3)
+    assert ShardPolicy(num_shards=4).glu_tile(10000, 14336, 2) == (2500, 1)
 
 
 def test_fixed_count_and_fixed_tile():
@@ -29,6 +48,9 @@ def test_fixed_count_and_fixed_tile():
     ({"num_shards": True}, TypeError, "num_shards must be an int"),
     ({"tile_tokens": 0}, ValueError, "tile_tokens must be >= 1"),
     ({"num_shards": 2, "tile_tokens": 8}, ValueError, "not both"),
+    ({"inter_chunks": 0}, ValueError, "inter_chunks must be >= 1"),
+    ({"scratch_mib": 0}, ValueError, "scratch_mib must be >= 1"),
+    ({"scratch_mib": "1G"}, TypeError, "scratch_mib must be a number"),
 ])
 def test_bad_values_are_refused(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -14,12 +14,13 @@ two run-time signals that work when tiling was enabled *before* the model was wr
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor"]
+__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "is_fsdp1_wrapper"]
 
 
 class Wrapping(str, enum.Enum):
@@ -32,6 +33,7 @@ class Wrapping(str, enum.Enum):
     DTENSOR = "dtensor"  # DTensor parameters without FSDP2 (tensor parallel): not supported
 
 
+@functools.cache
 def _fsdp2_module_type() -> Optional[type]:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -40,6 +42,7 @@ def _fsdp2_module_type() -> Optional[type]:
     return FSDPModule
 
 
+@functools.cache
 def _fsdp1_type() -> Optional[type]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -48,12 +51,23 @@ def _fsdp1_type() -> Optional[type]:
     return FullyShardedDataParallel
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> Optional[type]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def is_fsdp1_wrapper(module: nn.Module) -> bool:
+    fsdp1 = _fsdp1_type()
+    return fsdp1 is not None and isinstance(module, fsdp1)
 
 
 def module_path(root: nn.Module, target: nn.Module) -> list[nn.Module]:

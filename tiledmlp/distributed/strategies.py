@@ -5,19 +5,23 @@ backward, no hook or collective inside it (see ``function.py``). What is left is
 
 =========  ==========================================================================================
 plain      nothing; parameters must be ordinary tensors.
-ddp        a trainable parameter no shard used still returns a zero gradient: DDP found it in the
-           graph (it is an input of the tiled node) and its reducer waits for it.
+ddp        nothing beyond the tiled node: its backward sums the shards' gradients and autograd
+           accumulates each parameter once, so DDP's hook fires once per parameter per backward. A
+           parameter no shard used (an idle expert) gets no gradient; autograd still runs its
+           ``AccumulateGrad`` node with an undefined gradient, so DDP's hook fires and the reducer
+           counts zeros (find_unused_parameters True or False, static_graph).
 no_sync    the name of the gradient-accumulation contract, not extra behaviour: tiling never issues a
            collective, so ``ddp.no_sync()`` / ``set_requires_gradient_sync(False)`` are obeyed by
            construction. Forcing it checks the model has a wrapper that syncs, and then behaves as
            that wrapper's strategy.
 fsdp2      explicit unshard/reshard. Inside an FSDP2 unit's ``__call__`` the parameters are already
-           unsharded; when they are not (the MLP's own unit is called through ``forward`` or
-           ``apply_tiled_mlp`` from outside, or the unit resharded and nobody re-gathered before this
-           node's backward) the strategy unshards the owning unit itself and reshards it afterwards,
-           so a unit's ``__call__`` is never re-entered from backward.
-fsdp1      flat-parameter views are read through the parameter slots at call time; gradients flow
-           into the flat parameter once. GPU only (FSDP1 refuses CPU).
+           unsharded; when they are not (``apply_tiled_mlp`` on a unit from its parent's forward, or
+           nobody re-gathered before this node's backward) the strategy unshards the owning unit
+           itself and reshards it afterwards. A unit's ``__call__`` is never entered from a shard
+           (calling it there is refused: its hooks would run per shard).
+fsdp1      flat-parameter views (``use_orig_params=False``) or original parameters are read through
+           the parameter slots at call time, inside FSDP1's forward; gradients flow into the flat
+           parameter once. Nothing else to do.
 =========  ==========================================================================================
 
 No strategy needs the ranks to agree on the shard count: the shard count changes only local compute,
@@ -27,7 +31,7 @@ never the number or order of collectives, so ranks with different sequence lengt
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ClassVar, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -72,38 +76,76 @@ class PlainStrategy(Strategy):
 
 
 class DDPStrategy(Strategy):
-    """DistributedDataParallel: manual gradient accumulation (the tiled node), zero-filled unused."""
+    """DistributedDataParallel: manual gradient accumulation, which the tiled node already is."""
 
     name = "ddp"
     wrapping = Wrapping.DDP
-    zero_unused_grads = True
 
 
 def _storage_freed(t: torch.Tensor) -> bool:
     return t.untyped_storage().size() == 0 and t.numel() > 0
 
 
-def _sharded_units(units: Sequence[nn.Module]) -> list[nn.Module]:
-    """The units whose parameters are currently sharded (registered as DTensors)."""
-    return [u for u in units if any(is_dtensor(p) for p in u.parameters(recurse=False))]
+@contextlib.contextmanager
+def _gathered(units: Sequence[nn.Module], needed: bool) -> Iterator[None]:
+    """Unshard ``units`` for the block and reshard them after it, if ``needed``."""
+    if needed:
+        for unit in units:
+            unit.unshard()
+    try:
+        yield
+    finally:
+        if needed:
+            for unit in units:
+                unit.reshard()
+
+
+@contextlib.contextmanager
+def _refuse_unit_calls(units: Sequence[nn.Module], module_name: str) -> Iterator[None]:
+    """Make calling an owning unit from inside the shards an error.
+
+    A unit's ``__call__`` runs FSDP2's hooks: called per shard (``apply_tiled_mlp`` with
+    ``fn=lambda m, x: m(x)`` on a ``fully_shard``-ed MLP) it all-gathers per shard — so ranks with
+    different shard counts issue different numbers of collectives — registers post-backward hooks per
+    shard, and runs them again inside backward's recompute.
+    """
+
+    def refuse(unit: nn.Module, args: Any) -> None:
+        raise ValueError(
+            f"{module_name}: the tiled computation called the FSDP2 unit {type(unit).__name__} "
+            "(fully_shard) from inside a shard; its hooks would gather parameters and register "
+            "gradient reduction once per shard. Compute without calling the unit: e.g. "
+            "apply_tiled_mlp(lambda m, x: type(m).forward(m, x), mlp, x), or call apply_tiled_mlp "
+            "inside the unit's own forward, or use enable_tiling."
+        )
+
+    handles = [unit.register_forward_pre_hook(refuse, prepend=True) for unit in units]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class FSDP2Strategy(Strategy):
-    """``fully_shard``: explicit unshard/reshard of the owning unit when FSDP has not done it."""
+    """``fully_shard``: explicit unshard/reshard of the owning unit when FSDP has not done it.
+
+    Inside the owning unit's ``__call__`` FSDP2 has unsharded the parameters (forward) and re-gathers
+    them in its pre-backward hook, before this node's backward runs: nothing to do. Called outside
+    it (``apply_tiled_mlp`` on a unit from its parent's forward), the parameters are sharded
+    DTensors: the strategy unshards the unit for the forward shards and again for the recompute, and
+    reshards after each; the unsharded gradients are reduce-scattered by FSDP2's end-of-backward
+    callback as usual. Either way the unit's ``__call__`` is never entered from a shard.
+    """
 
     name = "fsdp2"
     wrapping = Wrapping.FSDP2
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
-        sharded = _sharded_units(self.units)
-        for unit in sharded:
-            unit.unshard()
-        try:
+        sharded = any(is_dtensor(p) for p in module.parameters())
+        with _gathered(self.units, sharded), _refuse_unit_calls(self.units, type(module).__name__):
             yield
-        finally:
-            for unit in sharded:
-                unit.reshard()
 
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
         if any(is_dtensor(p) for p in params):
@@ -114,24 +156,9 @@ class FSDP2Strategy(Strategy):
             )
 
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
-        units = self.units
-
-        @contextlib.contextmanager
-        def regather() -> Iterator[None]:
-            # FSDP2's pre-backward hook normally re-gathers before this node runs; if the storage of
-            # the unsharded parameters is still freed, nobody did, so do it here and undo it after.
-            freed = any(_storage_freed(p) for p in params)
-            if freed:
-                for unit in units:
-                    unit.unshard()
-            try:
-                yield
-            finally:
-                if freed:
-                    for unit in units:
-                        unit.reshard()
-
-        return regather
+        # The parameters' storage is still freed only when nobody re-gathered before this node's
+        # backward (FSDP2's pre-backward hook did not run for the unit): gather here.
+        return lambda: _gathered(self.units, any(_storage_freed(p) for p in params))
 
 
 class FSDP1Strategy(Strategy):
@@ -149,7 +176,6 @@ class NoSyncStrategy(Strategy):
     def __init__(self, inner: Strategy) -> None:
         super().__init__(inner.units)
         self.inner = inner
-        self.zero_unused_grads = inner.zero_unused_grads  # type: ignore[misc]
 
     def forward_context(self, module: nn.Module):
         return self.inner.forward_context(module)

@@ -1,0 +1,90 @@
+"""How to sum per-shard weight gradients (``dW += A^T @ B`` over shards) on a GPU: speed and precision.
+
+Options, each over ``--shards`` shards of ``[rows, hidden]`` x ``[rows, inter]`` bf16 operands:
+
+* ``bf16_addmm``   bf16 accumulator, ``acc.addmm_(a, b)`` (cuBLAS rounds the running sum every shard)
+* ``fp32_mm_add``  fp32 accumulator, ``acc += mm(a, b, out_dtype=float32)`` (a float32 temporary)
+* ``fp32_addmm``   fp32 accumulator, ``addmm(acc, a, b, out_dtype=float32, out=acc)`` (in place)
+* ``fp32_upcast``  fp32 accumulator, ``acc.addmm_(a.float(), b.float())`` (fp32 GEMM; slow reference)
+
+Error is the relative L2 distance to a float64 sum; time is the median over repeats (CUDA events).
+Writes ``benchmarks/results/bench_accum_<gpu>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def options():
+    f32 = torch.float32
+    return {
+        "bf16_addmm": (torch.bfloat16, lambda acc, a, b: acc.addmm_(a, b)),
+        "fp32_mm_add": (f32, lambda acc, a, b: acc.add_(torch.mm(a, b, out_dtype=f32))),
+        "fp32_addmm": (f32, lambda acc, a, b: torch.addmm(acc, a, b, out_dtype=f32, out=acc)),
+        "fp32_upcast": (f32, lambda acc, a, b: acc.addmm_(a.float(), b.float())),
+    }
+
+
+def run(rows: int, hidden: int, inter: int, shards: int, repeats: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a_list = [torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16() for _ in range(shards)]
+    b_list = [torch.randn(rows, inter, device="cuda", generator=gen).bfloat16() for _ in range(shards)]
+    ref = torch.zeros(hidden, inter, device="cuda", dtype=torch.float64)
+    for a, b in zip(a_list, b_list):
+        ref.addmm_(a.t().double(), b.double())
+    rows_out = []
+    for name, (dtype, step) in options().items():
+        acc = torch.zeros(hidden, inter, device="cuda", dtype=dtype)
+        try:
+            for a, b in zip(a_list, b_list):
+                step(acc, a.t(), b)
+        except (RuntimeError, TypeError) as exc:
+            rows_out.append({"option": name, "status": f"unsupported: {exc}".splitlines()[0][:160]})
+            continue
+        err = float((acc.double() - ref).norm() / ref.norm())
+        times = []
+        for _ in range(repeats):
+            acc.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for a, b in zip(a_list, b_list):
+                step(acc, a.t(), b)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        rows_out.append({"option": name, "status": "ok", "rel_err": f"{err:.3e}",
+                         "ms_per_shard": f"{statistics.median(times) / shards:.3f}"})
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--inter", type=int, default=14336)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    results = run(args.rows, args.hidden, args.inter, args.shards, args.repeats)
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    out = Path(__file__).parent / "results" / f"bench_accum_{gpu}.csv"
+    out.parent.mkdir(exist_ok=True)
+    fields = ["option", "status", "rel_err", "ms_per_shard"]
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields + ["gpu", "torch", "rows", "hidden", "inter", "shards"])
+        writer.writeheader()
+        for row in results:
+            writer.writerow({**row, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
+                             "hidden": args.hidden, "inter": args.inter, "shards": args.shards})
+    for row in results:
+        print(" ".join(f"{k}={row.get(k, '')}" for k in fields))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,644 @@
+"""Time, peak memory and accuracy of one MLP forward+backward, per provider and sequence length.
+
+Providers (all start from the same weights, input and output gradient):
+
+* ``eager``            transformers' ``LlamaMLP`` (or ``MixtralSparseMoeBlock`` with ``--moe``), untiled.
+* ``liger``            Liger-Kernel's untiled ``LigerSwiGLUMLP`` / ``LigerGEGLUMLP``.
+* ``liger_tiled``      Liger-Kernel's ``LigerTiledSwiGLUMLP`` / ``LigerTiledGEGLUMLP`` (shards = ceil(T / H)).
+* ``deepspeed_tiled``  DeepSpeed's ``TiledMLP.apply`` around the eager module's forward (shards = ceil(T / H)).
+* ``tiledmlp``         the eager module after ``tiledmlp.enable_tiling(module)``; ``tiledmlp@N`` forces N shards.
+
+Accuracy is the relative L2 error against a float64 reference computed on the same device, token chunk by
+token chunk (exact up to float64 rounding, and small enough to fit next to the benchmark at 128K tokens).
+
+Run ``python3 benchmarks/bench_mlp.py --help``; ``--quick`` is a tiny smoke test that also runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import datetime
+import gc
+import importlib
+import importlib.metadata
+import math
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # benchmark the checkout's tiledmlp, not an installed one
+
+ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+DENSE_PROVIDERS = ("eager", "liger", "liger_tiled", "deepspeed_tiled", "tiledmlp", "tiledmlp_lowmem")
+MOE_PROVIDERS = ("eager", "deepspeed_tiled", "tiledmlp")
+TRITON_ONLY = frozenset({"liger", "liger_tiled"})
+FIXED_COLUMNS = (
+    "provider", "act", "T", "hidden", "intermediate", "dtype", "time_ms", "time_ratio_vs_eager", "peak_mib",
+    "err_out", "err_dx", "err_w_max", "gpu_name", "torch", "triton", "transformers", "liger", "deepspeed",
+    "tiledmlp", "date",
+)
+VERSION_DISTRIBUTIONS = {
+    "torch": "torch", "triton": "triton", "transformers": "transformers", "liger": "liger-kernel",
+    "deepspeed": "deepspeed", "tiledmlp": "tiledmlp",
+}
+VERSION_MODULES = {"liger": "liger_kernel"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The block under test: a dense gated MLP, or a Mixtral sparse MoE block when ``moe`` is set."""
+
+    hidden: int
+    intermediate: int
+    act: str
+    moe: bool = False
+    experts: int = 8
+    top_k: int = 2
+    experts_impl: str = "eager"
+
+
+@dataclass
+class Runner:
+    """A provider ready to run: ``forward(x)`` computes the block; ``module`` owns the parameters."""
+
+    module: nn.Module
+    forward: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Reference:
+    """Float64-accurate results (stored as float32) of one forward+backward."""
+
+    out: torch.Tensor
+    dx: torch.Tensor
+    weight_grads: dict[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Environment
+
+
+def gpu_name(device: torch.device) -> str:
+    """The accelerator's marketing name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gpu_slug(device: torch.device) -> str:
+    """A file-name friendly form of :func:`gpu_name`, e.g. ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name(device).lower()).strip("-")
+
+
+def package_version(key: str) -> str:
+    """Installed version of a package, or "n/a"."""
+    try:
+        return importlib.metadata.version(VERSION_DISTRIBUTIONS[key])
+    except importlib.metadata.PackageNotFoundError:  # e.g. tiledmlp used from the checkout, not installed
+        try:
+            module = importlib.import_module(VERSION_MODULES.get(key, key))
+        except ImportError:
+            return "n/a"
+        return str(getattr(module, "__version__", "n/a"))
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of every package the CSV reports."""
+    versions = {key: package_version(key) for key in VERSION_DISTRIBUTIONS}
+    versions["torch"] = torch.__version__
+    return versions
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """Parse ``key=val,key=val`` into a dict; values are Python literals where they parse, else strings."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"option {item!r} is not key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = raw.strip()
+    return options
+
+
+def release_memory() -> None:
+    """Return cached blocks so that the next provider starts from the same free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Modules and providers
+
+
+def hf_config(shape: Shape, experts_impl: Optional[str] = None) -> PretrainedConfig:
+    """A transformers config describing ``shape`` (LlamaConfig, or MixtralConfig for MoE)."""
+    from transformers import LlamaConfig, MixtralConfig
+
+    if not shape.moe:
+        return LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           hidden_act=ACTIVATIONS[shape.act], mlp_bias=False)
+    config = MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           num_local_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                           hidden_act=ACTIVATIONS[shape.act], router_jitter_noise=0.0)
+    config._experts_implementation = experts_impl or shape.experts_impl
+    return config
+
+
+def eager_module(shape: Shape, experts_impl: Optional[str] = None) -> nn.Module:
+    """transformers' own block: ``LlamaMLP`` or ``MixtralSparseMoeBlock``."""
+    if shape.moe:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        return MixtralSparseMoeBlock(hf_config(shape, experts_impl))
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return LlamaMLP(hf_config(shape))
+
+
+def master_state_dict(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Weights every provider loads: uniform(+-1/sqrt(fan_in)) for every parameter, rounded to ``dtype``."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        module = eager_module(shape)
+    state = {}
+    for name, param in module.state_dict().items():
+        bound = 1.0 / math.sqrt(param.shape[-1])
+        values = torch.rand(param.shape, generator=generator, device=device) * (2 * bound) - bound
+        state[name] = values.to(dtype)
+    return state
+
+
+def materialize(module: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    """Cast ``module`` to ``dtype`` and load the shared weights into it."""
+    module.to(dtype)
+    module.load_state_dict(state)
+    return module
+
+
+def batched_forward(forward: Callable[..., torch.Tensor]) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """Adapt a module forward for DeepSpeed's TiledMLP: it recomputes 2-D ``[tokens, hidden]`` shards in
+    backward, while the MoE block only takes ``[batch, tokens, hidden]``."""
+
+    def fn(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return forward(module, x.unsqueeze(0) if x.dim() == 2 else x).view_as(x)
+
+    return fn
+
+
+def build_eager(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype, options: dict[str, Any]) -> Runner:
+    """transformers' block as is."""
+    module = materialize(eager_module(shape), state, dtype)
+    return Runner(module, module)
+
+
+def build_liger(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype, options: dict[str, Any]) -> Runner:
+    """Liger's untiled GLU MLP (Triton activation kernel)."""
+    from liger_kernel.transformers.geglu import LigerGEGLUMLP
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    cls = LigerSwiGLUMLP if shape.act == "silu" else LigerGEGLUMLP
+    module = materialize(cls(hf_config(shape)), state, dtype)
+    return Runner(module, module)
+
+
+def build_liger_tiled(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      options: dict[str, Any]) -> Runner:
+    """Liger's tiled GLU MLP with its automatic shard count."""
+    from liger_kernel.transformers.tiled_mlp import LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
+
+    cls = LigerTiledSwiGLUMLP if shape.act == "silu" else LigerTiledGEGLUMLP
+    module = materialize(cls(hf_config(shape), num_shards=None), state, dtype)  # None: ceil(T / H)
+    return Runner(module, module)
+
+
+def build_deepspeed_tiled(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                          options: dict[str, Any]) -> Runner:
+    """DeepSpeed's TiledMLP around transformers' block forward, shards = ceil(T / H) as in its docstring."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    module = materialize(eager_module(shape), state, dtype)
+    fn = batched_forward(type(module).forward)
+    params = list(module.parameters())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        shards = math.ceil(x.shape[-2] / x.shape[-1])
+        return TiledMLP.apply(fn, module, x, shards, params)
+
+    return Runner(module, forward)
+
+
+def build_tiledmlp(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                   options: dict[str, Any]) -> Runner:
+    """transformers' block after ``tiledmlp.enable_tiling(module, **options)``."""
+    import tiledmlp
+
+    module = materialize(eager_module(shape), state, dtype)
+    tiledmlp.enable_tiling(module, **options)
+    if not tiledmlp.tiled_modules(module):
+        raise RuntimeError(f"tiledmlp.enable_tiling tiled nothing in {type(module).__name__}")
+    return Runner(module, module)
+
+
+def build_tiledmlp_lowmem(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                          options: dict[str, Any]) -> Runner:
+    """tiledmlp with a 256 MiB backward scratch budget (``scratch_mib=256``): the memory-first setting."""
+    return build_tiledmlp(shape, state, dtype, {"scratch_mib": 256, **options})
+
+
+BUILDERS: dict[str, Callable[..., Runner]] = {
+    "eager": build_eager,
+    "liger": build_liger,
+    "liger_tiled": build_liger_tiled,
+    "deepspeed_tiled": build_deepspeed_tiled,
+    "tiledmlp": build_tiledmlp,
+    "tiledmlp_lowmem": build_tiledmlp_lowmem,
+}
+PROVIDER_IMPORTS = {  # provider -> (module, name it must define)
+    "liger": ("liger_kernel.transformers.swiglu", "LigerSwiGLUMLP"),
+    "liger_tiled": ("liger_kernel.transformers.tiled_mlp", "LigerTiledSwiGLUMLP"),
+    "deepspeed_tiled": ("deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP"),
+    "tiledmlp": ("tiledmlp", "enable_tiling"),
+    "tiledmlp_lowmem": ("tiledmlp", "enable_tiling"),
+}
+
+
+def split_provider(name: str) -> tuple[str, Optional[int]]:
+    """``"tiledmlp@16"`` -> ``("tiledmlp", 16)``; ``"eager"`` -> ``("eager", None)``."""
+    base, _, shards = name.partition("@")
+    if base not in BUILDERS or (shards and base != "tiledmlp"):
+        raise SystemExit(f"unknown provider {name!r}; known: {', '.join(BUILDERS)} and tiledmlp@N")
+    return base, int(shards) if shards else None
+
+
+def check_importable(base: str) -> None:
+    """Raise ImportError unless provider ``base``'s package and entry point import."""
+    if base in PROVIDER_IMPORTS:
+        module_name, attribute = PROVIDER_IMPORTS[base]
+        if not hasattr(importlib.import_module(module_name), attribute):
+            raise ImportError(f"{module_name} has no {attribute}")
+
+
+def available_providers(names: list[str], device: torch.device, strict: bool) -> list[str]:
+    """The providers that can run here; a missing one is an error when ``strict``, else a printed note."""
+    usable = []
+    for name in names:
+        base, _ = split_provider(name)
+        if base in TRITON_ONLY and device.type != "cuda":
+            print(f"note: skipping {name}: Liger's kernels are Triton, which needs a GPU")
+            continue
+        try:
+            check_importable(base)
+        except ImportError as error:
+            if strict:
+                raise SystemExit(f"provider {name} cannot be imported ({error}); install the wheels in .whl/ "
+                                 "(see benchmarks/README.md)") from error
+            print(f"note: skipping {name}: {error}")
+            continue
+        usable.append(name)
+    return usable
+
+
+def build_runner(name: str, shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 tiledmlp_options: dict[str, Any]) -> Runner:
+    """Construct provider ``name`` on the current default device, loaded with ``state``."""
+    base, shards = split_provider(name)
+    options = dict(tiledmlp_options)
+    if shards is not None:
+        options["num_shards"] = shards
+    return BUILDERS[base](shape, state, dtype, options)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Measurements
+
+
+def float64_reference(shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
+                      chunk_tokens: int) -> Reference:
+    """Forward+backward in float64, ``chunk_tokens`` tokens at a time, weight grads accumulated by autograd."""
+    with torch.device(x.device):
+        module = materialize(eager_module(shape, experts_impl="eager"), state, torch.float64)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(out)
+    for start in range(0, x.shape[-2], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        x_chunk = x[:, rows].detach().double().requires_grad_()
+        y_chunk = module(x_chunk)
+        y_chunk.backward(grad_out[:, rows].double())
+        out[:, rows] = y_chunk.detach()
+        dx[:, rows] = x_chunk.grad
+    grads = {name: param.grad.float() for name, param in module.named_parameters()}
+    return Reference(out, dx, grads)
+
+
+def rel_l2(value: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """``||value - ref|| / ||ref||`` in float64, a slice at a time so no full-size float64 copy exists."""
+    value, ref = value.reshape(-1), ref.reshape(-1)
+    num = torch.zeros((), dtype=torch.float64, device=ref.device)
+    den = torch.zeros_like(num)
+    for start in range(0, ref.numel(), chunk):
+        r = ref[start:start + chunk].double()
+        num += (value[start:start + chunk].double() - r).square().sum()
+        den += r.square().sum()
+    return math.sqrt(num.item() / max(den.item(), 1e-300))
+
+
+def clear_grads(module: nn.Module, x: torch.Tensor) -> None:
+    """Drop parameter and input gradients (set to None, as ``zero_grad()`` does)."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def accuracy(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, ref: Reference) -> dict[str, float]:
+    """Relative errors of the output, dx and every weight gradient; ``err_w_max`` is their maximum."""
+    clear_grads(runner.module, x)
+    out = runner.forward(x)
+    out.backward(grad_out)
+    errors = {"err_out": rel_l2(out.detach(), ref.out), "err_dx": rel_l2(x.grad, ref.dx)}
+    for name, param in runner.module.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        errors[f"err_w:{name}"] = rel_l2(grad, ref.weight_grads[name])
+    errors["err_w_max"] = max(v for k, v in errors.items() if k.startswith("err_w:"))
+    clear_grads(runner.module, x)
+    return errors
+
+
+def median_time_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, warmup: int, reps: int) -> float:
+    """Median time of forward+backward over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
+    timer = gpu_times_ms if x.device.type == "cuda" else cpu_times_ms
+    for _ in range(warmup):
+        clear_grads(runner.module, x)
+        runner.forward(x).backward(grad_out)
+    times = timer(runner, x, grad_out, reps)
+    clear_grads(runner.module, x)
+    return statistics.median(times)
+
+
+def gpu_times_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, reps: int) -> list[float]:
+    """Per-run forward+backward times from CUDA events, read after one synchronize at the end."""
+    events = []
+    for _ in range(reps):
+        clear_grads(runner.module, x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.forward(x).backward(grad_out)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def cpu_times_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, reps: int) -> list[float]:
+    """Per-run forward+backward wall times on the CPU."""
+    times = []
+    for _ in range(reps):
+        clear_grads(runner.module, x)
+        begin = time.perf_counter()
+        runner.forward(x).backward(grad_out)
+        times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def peak_memory_mib(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor) -> float:
+    """Peak allocated memory of one forward+backward above what was allocated before it (inputs, weights)."""
+    if x.device.type != "cuda":
+        return float("nan")
+    clear_grads(runner.module, x)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    runner.forward(x).backward(grad_out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    clear_grads(runner.module, x)
+    return peak / 2**20
+
+
+def measure(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
+            ref: Optional[Reference], args: argparse.Namespace) -> dict[str, Any]:
+    """All measurements of one provider at one sequence length."""
+    with torch.device(x.device):
+        runner = build_runner(name, shape, state, x.dtype, args.tiledmlp_options)
+    result: dict[str, Any] = accuracy(runner, x, grad_out, ref) if ref is not None else {}
+    result["time_ms"] = median_time_ms(runner, x, grad_out, args.warmup, args.reps)
+    result["peak_mib"] = peak_memory_mib(runner, x, grad_out)
+    return result
+
+
+def measure_or_record(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor,
+                      grad_out: torch.Tensor, ref: Optional[Reference], args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure`, with an out-of-memory or failing provider recorded as "oom" / "error"."""
+    status = None
+    try:
+        return measure(name, shape, state, x, grad_out, ref, args)
+    except torch.OutOfMemoryError:
+        status = "oom"
+    except Exception:  # a provider that breaks must not hide the others' results
+        traceback.print_exc()
+        status = "error"
+    finally:
+        x.grad = None
+        release_memory()
+    print(f"  {name}: {status}")
+    return {"time_ms": status, "peak_mib": status, "err_out": status, "err_dx": status, "err_w_max": status}
+
+
+def reference_or_none(shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
+                      chunk_tokens: int) -> Optional[Reference]:
+    """The float64 reference, or None (errors reported as "n/a") when it does not fit."""
+    try:
+        return float64_reference(shape, state, x, grad_out, chunk_tokens)
+    except torch.OutOfMemoryError:
+        print(f"note: float64 reference at T={x.shape[-2]} ran out of memory; errors are n/a")
+        return None
+    finally:
+        release_memory()
+
+
+def run_sequence_length(tokens: int, providers: list[str], shape: Shape, state: dict[str, torch.Tensor],
+                        args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Measure every provider at one sequence length; returns one row (without metadata) per provider."""
+    generator = torch.Generator(device=device).manual_seed(args.seed + tokens)
+    x = torch.randn(1, tokens, shape.hidden, generator=generator, device=device).to(dtype).requires_grad_()
+    grad_out = torch.randn(1, tokens, shape.hidden, generator=generator, device=device).to(dtype)
+    ref = reference_or_none(shape, state, x, grad_out, args.ref_chunk)
+    rows = []
+    for name in providers:
+        row = {"provider": name, "T": tokens, **measure_or_record(name, shape, state, x, grad_out, ref, args)}
+        rows.append(row)
+        print(f"  T={tokens:>7} {name:<16} time_ms={fmt(row['time_ms'])} peak_mib={fmt(row['peak_mib'])} "
+              f"err_w_max={fmt(row.get('err_w_max', 'n/a'))}")
+    add_time_ratios(rows)
+    return rows
+
+
+def add_time_ratios(rows: list[dict[str, Any]]) -> None:
+    """Fill ``time_ratio_vs_eager`` (provider time / eager time at the same T)."""
+    eager = next((r["time_ms"] for r in rows if r["provider"] == "eager"), None)
+    for row in rows:
+        numeric = isinstance(eager, float) and isinstance(row["time_ms"], float)
+        row["time_ratio_vs_eager"] = row["time_ms"] / eager if numeric else "n/a"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(value: Any) -> str:
+    """Compact cell text: 4 significant digits for floats, text as is."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write rows with the fixed columns first, then the per-weight error columns."""
+    extra = sorted({key for row in rows for key in row} - set(FIXED_COLUMNS))
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[*FIXED_COLUMNS, *extra], restval="n/a")
+        writer.writeheader()
+        writer.writerows({key: fmt(value) if isinstance(value, float) else value for key, value in row.items()}
+                         for row in rows)
+
+
+def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """Time and peak memory against T (log-x), one line per provider; OOM/error points are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for metric, axis, label in (("time_ms", axes[0], "forward+backward time (ms)"),
+                                ("peak_mib", axes[1], "peak memory above inputs (MiB)")):
+        for provider in dict.fromkeys(row["provider"] for row in rows):
+            points = [(r["T"], r[metric]) for r in rows
+                      if r["provider"] == provider and isinstance(r[metric], float) and math.isfinite(r[metric])]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=provider)
+        tokens = sorted({row["T"] for row in rows})
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
+        axis.set_xlabel("tokens T")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Print the headline columns as an aligned text table."""
+    columns = ("provider", "T", "time_ms", "time_ratio_vs_eager", "peak_mib", "err_out", "err_dx", "err_w_max")
+    cells = [[fmt(row.get(c, "n/a")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    for line in ([*columns], *cells):
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Command line; see the module docstring and benchmarks/README.md."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default=None, help="comma-separated token counts (default 8192,32768,131072)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size H (default 4096)")
+    parser.add_argument("--intermediate", type=int, default=None, help="intermediate size I (default 14336)")
+    parser.add_argument("--act", choices=sorted(ACTIVATIONS), default="silu")
+    parser.add_argument("--moe", action="store_true", help="benchmark a Mixtral sparse MoE block instead")
+    parser.add_argument("--experts", type=int, default=8, help="MoE: number of experts")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
+    parser.add_argument("--experts-impl", default="eager",
+                        help="MoE: transformers experts implementation (eager, grouped_mm, batched_mm)")
+    parser.add_argument("--providers", default=None, help="comma-separated; tiledmlp@N forces N shards")
+    parser.add_argument("--tiledmlp-options", type=parse_options, default={},
+                        help="extra enable_tiling keyword arguments, key=val,...")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (after the accuracy run)")
+    parser.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported")
+    parser.add_argument("--ref-chunk", type=int, default=None, help="tokens per float64 reference chunk")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny smoke test (CPU float32 when no GPU); skips providers that cannot run")
+    args = parser.parse_args(argv)
+    apply_defaults(args)
+    return args
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
+    """Fill sizes left unset: full-size shapes, or tiny ones with ``--quick``."""
+    full = {"seq_lens": "8192,32768,131072", "hidden": 4096, "intermediate": 14336, "ref_chunk": 8192}
+    quick = {"seq_lens": "64,256", "hidden": 64, "intermediate": 160, "ref_chunk": 96}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.seq_lens = [int(t) for t in str(args.seq_lens).split(",")]
+    args.explicit_providers = args.providers is not None
+    default_providers = MOE_PROVIDERS if args.moe else DENSE_PROVIDERS
+    args.providers = args.providers.split(",") if args.providers else list(default_providers)
+    if args.quick:
+        args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
+    elif args.warmup < 2 or args.reps < 5:
+        raise SystemExit("use at least --warmup 2 and --reps 5 (or --quick)")
+
+
+def output_stem(args: argparse.Namespace, device: torch.device) -> str:
+    """``bench_mlp_<gpu>_<act>`` (``bench_moe_...`` with --moe, ``..._quick`` with --quick)."""
+    kind = "moe" if args.moe else "mlp"
+    return f"bench_{kind}_{gpu_slug(device)}_{args.act}" + ("_quick" if args.quick else "")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run every provider at every sequence length, then write the CSV and the plot and print a table."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = Shape(args.hidden, args.intermediate, args.act, args.moe, args.experts, args.top_k, args.experts_impl)
+    strict = args.explicit_providers and not args.quick
+    providers = available_providers(args.providers, device, strict)
+    print(f"{gpu_name(device)}: {'MoE' if shape.moe else 'MLP'} {shape}, dtype {dtype}, providers {providers}")
+
+    state = master_state_dict(shape, device, dtype, args.seed)
+    rows = []
+    for tokens in args.seq_lens:
+        rows += run_sequence_length(tokens, providers, shape, state, args, device, dtype)
+
+    meta = {"act": args.act, "hidden": shape.hidden, "intermediate": shape.intermediate,
+            "dtype": str(dtype).removeprefix("torch."), "gpu_name": gpu_name(device), **package_versions(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rows = [{**meta, **row} for row in rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = output_stem(args, device)
+    write_csv(args.out / f"{stem}.csv", rows)
+    title = (f"{gpu_name(device)} - {'Mixtral MoE' if shape.moe else 'Llama MLP'} H={shape.hidden} "
+             f"I={shape.intermediate} {args.act} {meta['dtype']}")
+    write_plot(args.out / f"{stem}.png", rows, title)
+    print_table(rows)
+    print(f"wrote {args.out / stem}.csv and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""On a GPU (skipped on CPU-only machines: the CPU suites cover the same paths on CPU tensors):
+bf16 tiled vs untiled against float64 at a realistic shard size, and the memory claim in bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiledmlp
+from unit_helpers import llama_mlp, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+H, I, T = 1024, 2816, 8192
+
+
+def _run(module, x, g, dtype):
+    xx = x.to(dtype).requires_grad_()
+    y = module(xx)
+    y.backward(g.to(dtype))
+    return [y.detach(), xx.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("form", ["auto", "generic"])
+def test_bf16_error_against_float64_on_gpu(form):
+    base = llama_mlp(H, I).cuda()
+    ref = copy.deepcopy(base).double()
+    untiled = copy.deepcopy(base).bfloat16()
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), tile_tokens=1024, form=form)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, T, H, device="cuda", generator=gen)
+    g = torch.randn(1, T, H, device="cuda", generator=gen)
+    want = _run(ref, x, g, torch.float64)
+    for got_u, got_t, w in zip(_run(untiled, x, g, torch.bfloat16), _run(tiled, x, g, torch.bfloat16), want):
+        e_u, e_t = rel_err(got_u, w), rel_err(got_t, w)
+        assert e_t <= 1.15 * e_u, (e_t, e_u)
+
+
+def test_tiled_peak_memory_is_far_below_untiled():
+    def peak(module):
+        x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn_like(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        module(x).backward(g)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    untiled = peak(llama_mlp(H, I).cuda().bfloat16())
+    tiled = peak(tiledmlp.enable_tiling(llama_mlp(H, I).cuda().bfloat16(), tile_tokens=1024))
+    assert tiled < 0.5 * untiled, (tiled, untiled)
