@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job (README): set up the environment, then train the built-in tiny Llama for a few steps
+# on 2 CPU processes (gloo) under DDP, untiled and tiled from the same seed and data, and report the
+# parameter difference (exit status 1 if it exceeds the tolerance). Extra arguments go to train.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
+    launch/train.py --wrap ddp --tiling auto --compare "$@"
