@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
+# without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
+# benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
+#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:$PWD/benchmarks:${PYTHONPATH:-}
+what=${1:-all}
+run() { [[ $what == all || $what == "$1" ]]; }
+run accum && python3 benchmarks/bench_accum.py
+run checkpoint && python3 benchmarks/bench_checkpoint.py
+run tiles && python3 benchmarks/bench_tiles.py
+run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1048576 --reps 9 \
+    && python3 benchmarks/bench_mlp.py --act gelu_tanh --seq-lens 8192,32768,131072 --reps 9
+run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
+if [[ -n ${OUT:-} ]]; then cp benchmarks/results/* "$OUT"/ 2>/dev/null; fi
