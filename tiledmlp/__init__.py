@@ -150,6 +150,17 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
         raise ValueError("x must be a tensor of shape [..., tokens, hidden] with at least 2 dims")
     policy = ShardPolicy(num_shards=num_shards)
     slots = param_slots(mlp_module)
+    if not slots and any(isinstance(v, torch.Tensor) and v.requires_grad
+                         for m in mlp_module.modules() for v in vars(m).values()):
+        # FSDP1 with flat parameters turns the weights into plain-tensor views of the flat parameter
+        # during forward: they are not parameters of the module, so they could not be inputs of the
+        # tiled node and would silently get no gradient.
+        raise ValueError(
+            f"{type(mlp_module).__name__} computes with tensors that are not registered parameters "
+            "(FSDP1 with use_orig_params=False makes its weights views of a flat parameter), so "
+            "apply_tiled_mlp cannot give them gradients. Use use_orig_params=True, or "
+            "tiledmlp.enable_tiling(model), which finds them through the flat parameter."
+        )
     if compute_params is not None:
         known = {id(s.get()) for s in slots}
         foreign = [tuple(p.shape) for p in compute_params if id(p) not in known]

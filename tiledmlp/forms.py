@@ -217,6 +217,8 @@ class GLUForm:
     """
 
     stochastic = False
+    leading_outputs = (True,)
+    returned_tuple = False
 
     def __init__(self, activation: str, layout: GLULayout, inter_chunks: int = 1) -> None:
         self.activation = activation

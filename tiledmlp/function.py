@@ -74,6 +74,12 @@ class Form(Protocol):
     #: captured in forward and replayed so that backward recomputes the same shards.
     stochastic: bool
 
+    #: per output of the last ``forward_shard``: does it carry the input's leading dims (else it is
+    #: returned as ``[tokens, ...]``)
+    leading_outputs: tuple[bool, ...]
+    #: whether the module returns a tuple (else its single output is returned alone)
+    returned_tuple: bool
+
     def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         """Outputs for token rows ``x`` (``[rows, hidden]``), each token-leading (``[rows, ...]``) or None."""
 
@@ -92,15 +98,15 @@ class Form(Protocol):
 class TileCall:
     """Everything one tiled call needs besides the tensors: what to compute and how to cut it.
 
-    ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard);
-    ``zero_unused_grads`` makes a trainable parameter that no shard used get zeros instead of ``None``
-    (DDP's reducer waits for every parameter it saw in the graph).
+    ``lead_shape`` is the input's shape without its last dim: outputs whose leading dims are the
+    tokens' (``form.leading_outputs``) are returned in that shape, the others as ``[tokens, ...]``.
+    ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard).
     """
 
     form: Form
     shard_rows: int
+    lead_shape: tuple[int, ...]
     around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
-    zero_unused_grads: bool = False
     grad_accum_dtype: Optional[torch.dtype] = None
 
 
@@ -233,17 +239,25 @@ class _AutocastReplay:
 
 
 def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """Run every shard and write its outputs into buffers allocated once, at the first shard."""
+    """Run every shard and write its outputs into buffers allocated once, at the first shard.
+
+    The buffers have their final shape (the input's leading dims for token-leading outputs), so the
+    tiled node returns them as they are, not as views (FSDP2 warns about views returned by a unit).
+    """
     buffers: list[Optional[torch.Tensor]] = []
+    rows_view: list[Optional[torch.Tensor]] = []  # each buffer seen as [tokens, ...]
     rows = x.shape[0]
     for idx, (start, stop) in enumerate(_shard_bounds(rows, call.shard_rows)):
         with record_function("tiledmlp::forward_shard"), _shard_scope():
             outs = call.form.forward_shard(x[start:stop], params)
         if idx == 0:
-            buffers = [None if o is None else o.new_empty((rows, *o.shape[1:])) for o in outs]
-        for buf, o in zip(buffers, outs):
-            if buf is not None:
-                buf[start:stop].copy_(o)
+            for o, leading in zip(outs, call.form.leading_outputs):
+                buf = None if o is None else o.new_empty((*(call.lead_shape if leading else (rows,)), *o.shape[1:]))
+                buffers.append(buf)
+                rows_view.append(None if buf is None else buf.view(rows, *o.shape[1:]))
+        for view, o in zip(rows_view, outs):
+            if view is not None:
+                view[start:stop].copy_(o)
     return tuple(buffers)
 
 
@@ -279,6 +293,9 @@ class TiledMLPFunction(torch.autograd.Function):
             ctx.save_for_backward(x)
         with record_function("tiledmlp::forward"):
             outs = _forward_shards(call, x, params)
+        # How backward sees each output gradient: [tokens, ...], like the form's shard outputs.
+        ctx.rows_shapes = [None if o is None else (x.shape[0], *o.shape[len(call.lead_shape) if leading else 1:])
+                           for o, leading in zip(outs, call.form.leading_outputs)]
         ctx.mark_non_differentiable(*[o for o in outs if o is not None and not o.is_floating_point()])
         ctx.set_materialize_grads(False)
         return outs
@@ -293,8 +310,8 @@ class TiledMLPFunction(torch.autograd.Function):
         bounds = _shard_bounds(x.shape[0], call.shard_rows)
         grads = GradAccumulator(params, ctx.needs_input_grad[3:], len(bounds), call.grad_accum_dtype)
         dx = torch.empty_like(x) if needs_x else None
-        # A single upstream gradient that is all-None (outputs unused) still recomputes nothing.
-        if all(g is None for g in grad_outputs):
+        grad_outputs = [None if g is None else g.reshape(shape) for g, shape in zip(grad_outputs, ctx.rows_shapes)]
+        if all(g is None for g in grad_outputs):  # no output was used: nothing to recompute
             return (None, None if dx is None else dx.zero_(), None, *grads.results())
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
@@ -304,13 +321,7 @@ class TiledMLPFunction(torch.autograd.Function):
                     call.form.backward_shard(
                         x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads
                     )
-        results = grads.results()
-        if call.zero_unused_grads:
-            results = [
-                torch.zeros_like(p) if need and r is None else r
-                for p, need, r in zip(params, grads.needs, results)
-            ]
-        return (None, dx, None, *results)
+        return (None, dx, None, *grads.results())
 
 
 def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:

@@ -90,18 +90,12 @@ class TiledCallSpec:
             call = TileCall(
                 form=form,
                 shard_rows=shard_rows,
+                lead_shape=tuple(x.shape[:-1]),
                 around_backward=strategy.backward_context(tensors),
-                zero_unused_grads=strategy.zero_unused_grads,
                 grad_accum_dtype=self.grad_accum_dtype,
             )
             outs = run_tiled(call, x.reshape(-1, hidden), tensors)
-        if isinstance(form, GLUForm):
-            return outs[0].view(*x.shape[:-1], outs[0].shape[-1])
-        restored = tuple(
-            o if o is None or not lead else o.view(*x.shape[:-1], *o.shape[1:])
-            for o, lead in zip(outs, form.leading_outputs)
-        )
-        return restored if form.returned_tuple else restored[0]
+        return outs if form.returned_tuple else outs[0]
 
 
 def _compute_itemsize(x: torch.Tensor, w: torch.Tensor) -> int:

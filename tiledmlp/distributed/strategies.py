@@ -46,8 +46,6 @@ class Strategy:
 
     name: ClassVar[str] = "plain"
     wrapping: ClassVar[Wrapping] = Wrapping.NONE
-    #: see ``TileCall.zero_unused_grads``
-    zero_unused_grads: ClassVar[bool] = False
 
     def __init__(self, units: Sequence[nn.Module] = ()) -> None:
         # FSDP units owning the MLP's parameters (the MLP itself or its nearest FSDP ancestor).
@@ -133,9 +131,11 @@ class FSDP2Strategy(Strategy):
     Inside the owning unit's ``__call__`` FSDP2 has unsharded the parameters (forward) and re-gathers
     them in its pre-backward hook, before this node's backward runs: nothing to do. Called outside
     it (``apply_tiled_mlp`` on a unit from its parent's forward), the parameters are sharded
-    DTensors: the strategy unshards the unit for the forward shards and again for the recompute, and
-    reshards after each; the unsharded gradients are reduce-scattered by FSDP2's end-of-backward
-    callback as usual. Either way the unit's ``__call__`` is never entered from a shard.
+    DTensors: the strategy unshards the unit for the forward shards, and reshards after. In backward
+    it gathers whenever the parameters' storage is still freed — after such a call, or when an
+    in-place op on the unit's output dropped FSDP2's pre-backward hook. The unsharded gradients are
+    reduce-scattered by FSDP2 as usual (post-backward or its end-of-backward callback), once. The
+    unit's ``__call__`` is never entered from a shard.
     """
 
     name = "fsdp2"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run the distributed test suite (tests/distributed) and print one line per case.
+#
+#   launch/run_distributed_tests.sh [NPROC] [pytest args...]
+#
+# With GPUs: NPROC processes, one per GPU, NCCL (default: all GPUs). Without: NPROC CPU processes,
+# gloo (default 2). Every case trains the same model untiled and tiled under the same wrapper and
+# compares parameters and collective counts; the table at the end has the numbers per case.
+# The reshard_after_forward=int case needs 4 processes: it runs on 4 GPUs when there are, else on 4
+# CPU processes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then
+    export TILEDMLP_TEST_NPROC="$1"
+    shift
+fi
+
+"${PYTHON:-python3}" - <<'PY'
+import platform
+import torch, transformers, peft
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"peft {peft.__version__}")
+print(f"devices: {', '.join(gpus) + ' (NCCL)' if gpus else 'CPU only (gloo)'}")
+PY
+
+exec "${PYTHON:-python3}" -m pytest tests/distributed -v -rfE -p no:cacheprovider "$@"

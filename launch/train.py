@@ -1,0 +1,334 @@
+"""Train a Llama-shaped model with tiled MLPs, on one process or under torchrun.
+
+The model is built in code from a ``transformers.LlamaConfig`` with random weights (nothing is
+downloaded); the data are random tokens, different on every rank. The built-in default is tiny and
+runs on a CPU in seconds; the size flags give real shapes.
+
+    # the README demo: 2 CPU processes (gloo), DDP, tiling on, tiled vs untiled
+    python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py \\
+        --wrap ddp --tiling auto --compare
+
+    # 8 GPUs (NCCL is picked automatically), Llama-3-8B MLP shapes, 32K tokens per sequence
+    python -m torch.distributed.run --standalone --nproc-per-node 8 launch/train.py --wrap fsdp2 \\
+        --hidden 4096 --intermediate 14336 --layers 4 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --seq-len 32768 --tile-tokens auto --dtype bfloat16 --grad-ckpt --steps 10
+
+Rank 0 prints one line per step (loss, tokens/s over all ranks, peak memory of rank 0) and a summary.
+``--compare`` trains the same model twice from the same seed on the same data, untiled then tiled,
+under the same wrapper, reports the largest relative parameter difference (per tensor, over all
+ranks), and exits with status 1 when it exceeds ``--tol``.
+
+``--wrap``: ``none`` (one process, or independent processes), ``ddp`` (DistributedDataParallel),
+``fsdp2`` (``fully_shard`` per decoder layer and the root), ``fsdp1`` (``FullyShardedDataParallel``
+per decoder layer; ``--use-orig-params`` for original parameters). ``--dtype bfloat16`` trains in
+mixed precision: fp32 parameters, bf16 compute (autocast for none/ddp, the wrapper's mixed-precision
+policy with fp32 gradient reduction for FSDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tiledmlp
+
+#: --dtype -> the largest relative parameter difference --compare accepts by default
+DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _tile_tokens(value: str) -> Optional[int]:
+    if value == "auto":
+        return None
+    tokens = int(value)
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"--tile-tokens must be 'auto' or >= 1, got {value}")
+    return tokens
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = p.add_argument_group("model (a LlamaConfig built in code)")
+    model.add_argument("--hidden", type=int, default=64)
+    model.add_argument("--intermediate", type=int, default=176)
+    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    model.add_argument("--vocab", type=int, default=256)
+    run = p.add_argument_group("training")
+    run.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    run.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
+    run.add_argument("--steps", type=int, default=4)
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--dtype", choices=sorted(DEFAULT_TOL), default="float32")
+    run.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
+    run.add_argument("--seed", type=int, default=0)
+    dp = p.add_argument_group("data parallelism and tiling")
+    dp.add_argument("--wrap", choices=("none", "ddp", "fsdp2", "fsdp1"), default="none")
+    dp.add_argument("--use-orig-params", action="store_true", help="FSDP1 with original parameters")
+    dp.add_argument("--tiling", choices=("auto", "off"), default="auto",
+                    help="auto: enable_tiling(strategy='auto') after wrapping; off: untiled")
+    shards = dp.add_mutually_exclusive_group()
+    shards.add_argument("--tile-tokens", type=_tile_tokens, default=64,
+                        help="tokens per shard; 'auto' for the library's policy (use it at real sizes: it "
+                             "never cuts below 1024 tokens, so the tiny default model would run unsplit)")
+    shards.add_argument("--num-shards", type=int, default=None, help="shards per MLP call (instead of --tile-tokens)")
+    dp.add_argument("--compare", action="store_true", help="train untiled, then tiled, and compare parameters")
+    dp.add_argument("--tol", type=float, default=None,
+                    help="largest relative parameter difference --compare accepts (default: 1e-4 fp32, 2e-2 bf16)")
+    args = p.parse_args(argv)
+    if args.compare and args.tiling == "off":
+        p.error("--compare trains both untiled and tiled; drop --tiling off")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Process group
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """NCCL with one GPU per process when CUDA is available, else gloo; no process group without torchrun."""
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return Dist(0, 1, device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10),
+                            device_id=device if cuda else None)
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
+
+
+def all_reduce_max(value: float, env: Dist) -> float:
+    if env.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, wrapping, data
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=max(args.seq_len, 128),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(config)
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _decoder_layer_type() -> type:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def wrap(model: nn.Module, args: argparse.Namespace, env: Dist) -> nn.Module:
+    model = model.to(env.device)
+    bf16 = args.dtype == "bfloat16"
+    if args.wrap == "none":
+        return model
+    if args.wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    if args.wrap == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        for layer in [m for m in model.modules() if isinstance(m, _decoder_layer_type())]:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    return FSDP(model, device_id=env.device, auto_wrap_policy=ModuleWrapPolicy({_decoder_layer_type()}),
+                use_orig_params=args.use_orig_params, mixed_precision=precision)
+
+
+def batches(args: argparse.Namespace, env: Dist) -> list[torch.Tensor]:
+    """One ``[batch, seq_len]`` token tensor per step, different on every rank."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + env.rank + 1)
+    return [torch.randint(args.vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(args.steps)]
+
+
+def compute_context(args: argparse.Namespace, env: Dist) -> Callable[[], ContextManager]:
+    """bf16 autocast where no wrapper casts the parameters (none, DDP)."""
+    if args.dtype == "bfloat16" and args.wrap in ("none", "ddp"):
+        return lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def peak_memory_mib(env: Dist) -> tuple[float, str]:
+    """GPU: peak allocated since the run started. CPU: the process's peak resident set (Linux: KiB)."""
+    if env.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(env.device) / 2**20, "allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "RSS"
+
+
+def _sync(env: Dist) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+
+
+@dataclass
+class Result:
+    params: dict[str, torch.Tensor]
+    tokens_per_s: float
+    peak_mib: float
+    final_loss: float
+
+
+def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
+    label = "tiled" if tiled else "untiled"
+    # A previous run's wrapped model sits in reference cycles (hooks, reducer): free it now, so it
+    # neither counts in this run's peak memory nor is torn down at a random point of this run.
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    model = wrap(build_model(args), args, env)
+    if tiled:
+        tile_tokens = None if args.num_shards is not None else args.tile_tokens
+        tiledmlp.enable_tiling(model, num_shards=args.num_shards, tile_tokens=tile_tokens)
+        if env.main:
+            strategies = tiledmlp.tiled_modules(model)
+            print(f"[{label}] tiled {len(strategies)} MLPs, strategies {sorted(set(strategies.values()))}, "
+                  f"{_shards_described(args)}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    autocast = compute_context(args, env)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    rates, loss_value = [], math.nan
+    for step, tokens in enumerate(batches(args, env)):
+        tokens = tokens.to(env.device)
+        _sync(env)
+        start = time.perf_counter()
+        with autocast():
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        _sync(env)
+        seconds = time.perf_counter() - start
+        rates.append(tokens.numel() * env.world / seconds)
+        peak, kind = peak_memory_mib(env)
+        if env.main:
+            print(f"[{label}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
+                  f"{rates[-1]:,.0f} tokens/s  peak {kind} {peak:,.0f} MiB", flush=True)
+    params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
+              for n, p in model.named_parameters()}
+    # The first step carries one-time costs (allocator warm-up, FSDP lazy init).
+    steady = rates[1:] or rates
+    return Result(params, sum(steady) / len(steady), peak_memory_mib(env)[0], loss_value)
+
+
+def _shards_described(args: argparse.Namespace) -> str:
+    tokens = args.batch_size * args.seq_len
+    if args.num_shards is not None:
+        return f"{args.num_shards} shards per call of {tokens} tokens"
+    if args.tile_tokens is not None:
+        return f"{math.ceil(tokens / args.tile_tokens)} shards of <= {args.tile_tokens} tokens per call of {tokens}"
+    return f"automatic shards for calls of {tokens} tokens"
+
+
+def max_relative_difference(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """``max`` over parameter tensors of ``|got - ref| / |ref|`` (L2 norms of this rank's shards).
+
+    Tensor norms, not single elements: AdamW moves every element by about ``lr * sign(grad)``, so an
+    element whose gradient is rounding noise may step either way in either run.
+    """
+    worst = 0.0
+    for name, r in ref.items():
+        if r.numel():
+            worst = max(worst, ((got[name] - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def summarize(label: str, result: Result, env: Dist) -> None:
+    if env.main:
+        print(f"[{label}] summary: final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s "
+              f"(steps 2+), peak memory {result.peak_mib:,.0f} MiB on rank 0", flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    env = init_distributed()
+    if args.wrap != "none" and not dist.is_initialized():
+        raise SystemExit(f"--wrap {args.wrap} needs a process group: run under torchrun, e.g. python -m "
+                         "torch.distributed.run --standalone --nproc-per-node 2 launch/train.py ...")
+    if env.main:
+        print(f"world {env.world} on {env.device.type} ({'nccl' if env.device.type == 'cuda' else 'gloo'}), "
+              f"wrap {args.wrap}, dtype {args.dtype}, seq-len {args.seq_len}, batch {args.batch_size}/rank, "
+              f"hidden {args.hidden}, intermediate {args.intermediate}, layers {args.layers}", flush=True)
+    try:
+        if not args.compare:
+            summarize("tiled" if args.tiling == "auto" else "untiled", train(args, env, args.tiling == "auto"), env)
+            return 0
+        untiled = train(args, env, tiled=False)
+        summarize("untiled", untiled, env)
+        tiled = train(args, env, tiled=True)
+        summarize("tiled", tiled, env)
+        diff = all_reduce_max(max_relative_difference(tiled.params, untiled.params), env)
+        tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
+        ok = diff <= tol
+        if env.main:
+            # CPU peak RSS only grows over the process's life, so only GPU peaks are comparable.
+            memory = (f"; peak memory {tiled.peak_mib:,.0f} vs {untiled.peak_mib:,.0f} MiB"
+                      if env.device.type == "cuda" else "")
+            print(f"compare: max relative parameter difference tiled vs untiled after {args.steps} steps: "
+                  f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; "
+                  f"{tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
+        return 0 if ok else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Hugging Face cases, run by ``worker.py``: a Llama (GLU fast form), a Mixtral (MoE block with fused
+3-D expert weights, generic form) and a PEFT-LoRA Llama (LoRA projections, generic form), each built
+from a tiny config in code with random weights, under DDP, FSDP2 and FSDP1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+from cases_ddp import ddp
+from cases_fsdp1 import fsdp1
+from cases_fsdp2 import fsdp2
+from common import Batch, Env, Recipe, enable, hf_batches, registry, untiled_vs_tiled
+
+CASES, case = registry()
+VOCAB = 96
+#: eager attention: the same kernels on CPU and GPU, no fused-attention backward atomics
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="eager")
+
+
+def llama() -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(intermediate_size=88, **_SHAPE))
+
+
+def mixtral() -> nn.Module:
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                            router_jitter_noise=0.0, output_router_logits=False, **_SHAPE))
+
+
+def lora_llama() -> nn.Module:
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(llama(), config)
+
+
+def hf_loss(model: nn.Module, batch: Batch):
+    return model(**batch).loss
+
+
+def _recipe(env: Env, build: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module], **recipe: Any) -> Recipe:
+    return Recipe(build=build, batches=hf_batches(env, VOCAB), wrap=wrap, loss_of=hf_loss, **recipe)
+
+
+@case
+def hf_llama_ddp(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, llama, ddp(env)), env)
+
+
+@case
+def hf_llama_fsdp2(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, llama, fsdp2(env, LlamaDecoderLayer)), env)
+
+
+@case
+def hf_llama_fsdp1_flat(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, llama, fsdp1(env, LlamaDecoderLayer, use_orig_params=False)), env)
+
+
+@case
+def hf_mixtral_ddp(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, mixtral, ddp(env)), env)
+
+
+@case
+def hf_mixtral_fsdp2(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, mixtral, fsdp2(env, MixtralDecoderLayer)), env)
+
+
+@case
+def hf_peft_lora_ddp(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, lora_llama, ddp(env)), env)
+
+
+@case
+def hf_peft_lora_ddp_tile_before_wrap(env: Env) -> dict[str, Any]:
+    recipe = _recipe(env, lora_llama, ddp(env), tile_before_wrap=True,
+                     tile=enable(num_shards=3))
+    return untiled_vs_tiled(recipe, env)

@@ -1,0 +1,543 @@
+"""Worker-side pieces of the distributed suite: process group, tiny models, data, one training run, and
+the measurements a case reports.
+
+Every case trains the same model twice under the same wrapper — untiled, then tiled — from the same
+seed, on the same rank-dependent batches, and reports how far the tiled run's parameters are from the
+untiled run's, how many collectives each run issued per micro-batch, and how many shards tiling cut.
+The pytest side (``harness.py`` and the ``test_*.py`` files) asserts on those numbers.
+
+Runs on CPU with gloo, or on GPUs with NCCL (one process per GPU) when CUDA is available;
+``TILEDMLP_TEST_DEVICE=cpu`` forces gloo on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import gc
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tiledmlp
+
+Batch = dict[str, torch.Tensor]
+
+# ----------------------------------------------------------------------------------------------
+# Environment
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def device_type() -> str:
+    """``cuda`` when GPUs are present (one process per GPU), else ``cpu``; ``TILEDMLP_TEST_DEVICE`` overrides."""
+    forced = os.environ.get("TILEDMLP_TEST_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_env(timeout_s: float) -> Env:
+    """Join the torchrun world: NCCL on GPUs, gloo on CPU. ``timeout_s`` bounds every collective."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type() == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return Env(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+CaseFn = Callable[[Env], dict[str, Any]]
+
+
+def registry() -> tuple[dict[str, CaseFn], Callable[[CaseFn], CaseFn]]:
+    """A fresh case table for a cases module, and the ``@case`` decorator that fills it."""
+    cases: dict[str, CaseFn] = {}
+
+    def case(fn: CaseFn) -> CaseFn:
+        cases[fn.__name__] = fn
+        return fn
+
+    return cases, case
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: Llama-shaped, tiny. Sizes make tiling split every call into several uneven shards.
+
+HIDDEN, INTER, VOCAB, LAYERS = 32, 88, 64, 2
+
+
+class GLUMLP(nn.Module):
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """A decoder layer stand-in: a causal running mean over tokens in attention's place, then the MLP."""
+
+    def __init__(self, mlp: Callable[[], nn.Module] = GLUMLP) -> None:
+        super().__init__()
+        self.mix_norm = nn.RMSNorm(HIDDEN)
+        self.mix = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.mlp_norm = nn.RMSNorm(HIDDEN)
+        self.mlp = mlp()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.mix_norm(h)
+        steps = torch.arange(1, z.shape[1] + 1, device=z.device, dtype=z.dtype)
+        h = h + self.mix(z.cumsum(1) / steps[:, None])
+        return h + self.call_mlp(self.mlp_norm(h))
+
+    def call_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    """Embedding, ``LAYERS`` blocks, norm, head; ``forward(ids, labels)`` returns the LM loss.
+
+    ``unused=True`` adds a module that forward never calls, for ``find_unused_parameters``.
+    """
+
+    def __init__(self, unused: bool = False, block: Callable[[], nn.Module] = Block) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.unused = nn.Linear(HIDDEN, HIDDEN) if unused else None
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class MLPFirst(nn.Module):
+    """The MLP is the first op of forward, so its gradients are the last ones DDP's reducer waits for."""
+
+    def __init__(self, mlp: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.mlp = mlp if mlp is not None else GLUMLP()
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.mlp(x)), y)
+
+
+class ApplyBlock(Block):
+    """A block that, once ``use_apply`` is set, calls its (unpatched) MLP through
+    ``apply_tiled_mlp(fn, mlp, x, ddp_safe=True)``. The default ``fn`` calls the module, as Liger's and
+    DeepSpeed's users write it."""
+
+    use_apply = False
+
+    @staticmethod
+    def fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+    def call_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_apply:
+            return self.mlp(x)
+        return tiledmlp.apply_tiled_mlp(self.fn, self.mlp, x, num_shards=3, ddp_safe=True)
+
+
+class ForwardApplyBlock(ApplyBlock):
+    """``fn`` computes with the MLP's forward, not its ``__call__`` (what FSDP2 units need)."""
+
+    @staticmethod
+    def fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return type(mlp).forward(mlp, x)
+
+
+class ApplyInForwardMLP(GLUMLP):
+    """Liger's pattern: the MLP's own forward calls ``apply_tiled_mlp`` on itself once ``use_apply``."""
+
+    use_apply = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_apply:
+            return super().forward(x)
+        return tiledmlp.apply_tiled_mlp(GLUMLP.forward, self, x, num_shards=3)
+
+
+def use_apply(model: nn.Module) -> None:
+    """The tiling of the ``apply_tiled_mlp`` models: switch their modules to the functional form."""
+    for m in model.modules():
+        if hasattr(m, "use_apply"):
+            m.use_apply = True
+
+
+def mlp_only_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Loss for a model that is nothing but the MLP (its parameters are the only ones DDP has)."""
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: different on every rank; sequence lengths differ per rank and per step (so shard counts do)
+
+
+def seq_len(step: int, rank: int) -> int:
+    return (37, 53, 44, 61)[step % 4] + 9 * rank
+
+
+def _generator(env: Env, step: int, micro: int) -> torch.Generator:
+    return torch.Generator().manual_seed(100_003 * (env.rank + 1) + 101 * step + micro)
+
+
+def token_batches(env: Env, steps: int = 3, micro: int = 1, batch: int = 2, vocab: int = VOCAB,
+                  names: tuple[str, str] = ("ids", "labels")) -> list[list[Batch]]:
+    """``[step][micro] -> {ids, labels}``: random tokens, next-token labels."""
+    out = []
+    for s in range(steps):
+        micro_batches = []
+        for m in range(micro):
+            ids = torch.randint(vocab, (batch, seq_len(s, env.rank) + 1), generator=_generator(env, s, m))
+            micro_batches.append({names[0]: ids[:, :-1].to(env.device), names[1]: ids[:, 1:].to(env.device)})
+        out.append(micro_batches)
+    return out
+
+
+def hf_batches(env: Env, vocab: int, steps: int = 3) -> list[list[Batch]]:
+    """Hugging Face causal LMs shift the labels themselves: labels are the input ids."""
+    out = token_batches(env, steps, vocab=vocab, names=("input_ids", "labels"))
+    for (b,) in out:
+        b["labels"] = b["input_ids"]
+    return out
+
+
+def float_batches(env: Env, steps: int = 3, batch: int = 2) -> list[list[Batch]]:
+    """``[step][0] -> {x, y}``: hidden-state inputs (no gradient) and regression targets."""
+    out = []
+    for s in range(steps):
+        g = _generator(env, s, 0)
+        t = seq_len(s, env.rank)
+        x = torch.randn(batch, t, HIDDEN, generator=g)
+        y = torch.randn(batch, t, HIDDEN, generator=g)
+        out.append([{"x": x.to(env.device), "y": y.to(env.device)}])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Instrumentation
+
+#: Every collective FSDP1/FSDP2/DDP could issue from Python (names vary across torch versions).
+_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "all_reduce_coalesced"),
+    "all_gather": ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+                   "all_gather_coalesced"),
+    "reduce_scatter": ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"),
+    "broadcast": ("broadcast", "_broadcast_coalesced"),
+}
+
+
+class CollectiveCounter:
+    """Counts collectives per micro-batch: Python-level ``torch.distributed`` calls (FSDP1, FSDP2) by
+    wrapping the module's functions, and DDP's bucket all-reduces through a communication hook (the
+    reducer calls the process group from C++, so only the hook sees them)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self.per_micro_batch: list[dict[str, int]] = []
+
+    def _bump(self, kind: str) -> None:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+
+    def mark(self) -> None:
+        """Close the current micro-batch's tally."""
+        self.per_micro_batch.append(dict(sorted(self._counts.items())))
+        self._counts = {}
+
+    def hook_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        # No annotations: DDP checks them against the real types, and this module's are strings.
+        def counting_allreduce(state, bucket):  # noqa: ANN001, ANN202
+            self._bump("ddp_bucket_all_reduce")
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
+
+    @contextlib.contextmanager
+    def patch_dist(self) -> Iterator[None]:
+        saved = {}
+        for kind, names in _COLLECTIVES.items():
+            for name in names:
+                fn = getattr(dist, name, None)
+                if fn is None:
+                    continue
+                saved[name] = fn
+                setattr(dist, name, self._counting(kind, fn))
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+    def _counting(self, kind: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._bump(kind)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+@contextlib.contextmanager
+def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
+    """``{"calls", "shards"}`` of tiled forwards inside the block, from the core's profiler ranges."""
+    found = {"calls": 0, "shards": 0}
+    if not enabled:
+        yield found
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield found
+    for event in prof.key_averages():
+        if event.key == "tiledmlp::forward":
+            found["calls"] += event.count
+        elif event.key == "tiledmlp::forward_shard":
+            found["shards"] += event.count
+
+
+class BackwardReentryCounter:
+    """Counts ``__call__`` of the given modules while autograd runs a backward pass.
+
+    The anchors call the MLP module inside backward; under FSDP2 that re-enters a unit's hooks.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.count = 0
+        self._handles = [m.register_forward_pre_hook(self._hook, prepend=True) for m in modules]
+
+    def _hook(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            self.count += 1
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------------------------
+# One training run
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's values of every parameter (local shards under FSDP), as float32 CPU copies."""
+    return {n: _local(p).detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def local_grads(model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """This rank's ``.grad`` of every trainable parameter; None when a gradient is not local yet
+    (FSDP2 keeps unsynced gradients outside ``.grad``)."""
+    grads = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None or hasattr(p.grad, "to_local"):
+            return None
+        grads[n] = p.grad.detach().float().cpu().clone()
+    return grads
+
+
+def ddp_sync(model: nn.Module, sync: bool) -> ContextManager:
+    """DDP / FSDP1 gradient accumulation: micro-batches that do not sync run under ``no_sync()``."""
+    return contextlib.nullcontext() if sync else model.no_sync()
+
+
+@contextlib.contextmanager
+def fsdp2_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP2 gradient accumulation: ``set_requires_gradient_sync(False)`` on the micro-batches that do not sync."""
+    model.set_requires_gradient_sync(sync)
+    yield
+
+
+def enable(**options: Any) -> Callable[[nn.Module], None]:
+    """The default tiling of a case: ``enable_tiling(model, **options)``."""
+    return lambda model: tiledmlp.enable_tiling(model, **options)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """FSDP2 units and FSDP1 wrappers of ``model``."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return [m for m in model.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
+
+
+@dataclass
+class Recipe:
+    """How a case trains: the model, its wrapper, the data, and how the tiled run tiles it."""
+
+    build: Callable[[], nn.Module]
+    batches: list[list[Batch]]
+    wrap: Callable[[nn.Module], nn.Module] = lambda model: model
+    tile: Callable[[nn.Module], None] = field(default_factory=lambda: enable(tile_tokens=16))
+    tile_before_wrap: bool = False
+    loss_of: Callable[[nn.Module, Batch], torch.Tensor] = lambda model, batch: model(**batch)
+    #: SGD with momentum by default; AdamW amplifies rounding noise on near-zero gradients (its
+    #: update is ~lr * sign(g)), so cases that use it are compared with that in mind.
+    optimizer: str = "sgd"
+    #: ``sync(model, is_last_micro_batch)`` context for gradient accumulation; None: one micro-batch
+    sync: Optional[Callable[[nn.Module, bool], ContextManager]] = None
+
+
+@dataclass
+class Run:
+    before: dict[str, torch.Tensor]
+    after: dict[str, torch.Tensor]
+    #: gradients after the first step's non-syncing micro-batches (gradient accumulation recipes)
+    accumulated: Optional[dict[str, torch.Tensor]]
+    collectives: list[dict[str, int]]
+    shards: list[int]
+    calls: list[int]
+    strategies: dict[str, str]
+    calls_in_backward: int
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def train(recipe: Recipe, env: Env, tiled: bool) -> Run:
+    """Build from seed 0, wrap, (tile), and take one optimizer step per entry of ``recipe.batches``."""
+    gc.collect()  # earlier runs' wrappers sit in reference cycles: tear them down here, on every rank
+    torch.manual_seed(0)
+    model = recipe.build().to(env.device)
+    if tiled and recipe.tile_before_wrap:
+        recipe.tile(model)
+    wrapped = recipe.wrap(model)
+    if tiled and not recipe.tile_before_wrap:
+        recipe.tile(wrapped)
+    counter = CollectiveCounter()
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        counter.hook_ddp(wrapped)
+    modules = dict(wrapped.named_modules())
+    tiled_modules = [modules[name] for name in tiledmlp.tiled_modules(wrapped)]
+    reentry = BackwardReentryCounter(tiled_modules + fsdp_units(wrapped))
+    opt = _optimizer(recipe.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
+    before = snapshot(wrapped)
+    accumulated = None
+    shards, calls = [], []
+    with counter.patch_dist():
+        for step, micro_batches in enumerate(recipe.batches):
+            with count_shards(tiled) as found:
+                for i, batch in enumerate(micro_batches):
+                    last = i == len(micro_batches) - 1
+                    scope = recipe.sync(wrapped, last) if recipe.sync is not None else contextlib.nullcontext()
+                    with scope:
+                        loss = recipe.loss_of(wrapped, batch) / len(micro_batches)
+                        loss.backward()
+                    counter.mark()
+                    if step == 0 and i == len(micro_batches) - 2:
+                        accumulated = local_grads(wrapped)
+            shards.append(found["shards"])
+            calls.append(found["calls"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    reentry.remove()
+    return Run(before, snapshot(wrapped), accumulated, counter.per_micro_batch, shards, calls,
+               tiledmlp.tiled_modules(wrapped) if tiled else {}, reentry.count)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison
+
+
+def relative_difference(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """``max`` over tensors of ``max|got - ref| / max|ref|`` (empty local shards skipped)."""
+    worst = 0.0
+    for name, r in ref.items():
+        if r.numel() == 0:
+            continue
+        diff = (got[name] - r).abs().max().item()
+        worst = max(worst, diff / max(r.abs().max().item(), 1e-30))
+    return worst
+
+
+def update_difference(got: Run, ref: Run) -> tuple[float, int]:
+    """``(max over parameters of |Δgot - Δref| / |Δref|, number of parameters the reference moved)``,
+    with ``Δ`` the change over training: stricter than comparing the parameters themselves, whose
+    initial values dominate after a few steps."""
+    worst, moved = 0.0, 0
+    for name, r0 in ref.before.items():
+        d_ref = ref.after[name] - r0
+        d_got = got.after[name] - got.before[name]
+        ref_norm, err = d_ref.norm().item(), (d_got - d_ref).norm().item()
+        if ref_norm > 0:
+            moved += 1
+            worst = max(worst, err / ref_norm)
+        elif err > 0:
+            worst = math.inf
+    return worst, moved
+
+
+def total_update_error(got: Run, ref: Run) -> float:
+    """``|Δgot - Δref| / |Δref|`` over all parameters together: one number for rounding noise that
+    per-parameter maxima would make jumpy."""
+    err = sum(((got.after[n] - got.before[n]) - (ref.after[n] - r0)).square().sum().item()
+              for n, r0 in ref.before.items())
+    norm = sum((ref.after[n] - r0).square().sum().item() for n, r0 in ref.before.items())
+    return math.sqrt(err / norm)
+
+
+def compare(ref: Run, got: Run) -> dict[str, Any]:
+    """The metrics every case reports for ``got`` (tiled) against ``ref`` (untiled)."""
+    update_rel, moved = update_difference(got, ref)
+    metrics: dict[str, Any] = {
+        "param_rel": relative_difference(got.after, ref.after),
+        "update_rel": update_rel,
+        "moved_params": moved,
+        "collectives_untiled": ref.collectives,
+        "collectives_tiled": got.collectives,
+        "shards_per_step": got.shards,
+        "tiled_calls_per_step": got.calls,
+        "strategies": got.strategies,
+        "calls_in_backward": got.calls_in_backward,
+    }
+    if ref.accumulated is not None and got.accumulated is not None:
+        metrics["accumulated_grad_rel"] = relative_difference(got.accumulated, ref.accumulated)
+    return metrics
+
+
+def untiled_vs_tiled(recipe: Recipe, env: Env) -> dict[str, Any]:
+    """The standard case: train untiled and tiled under the same wrapper and compare."""
+    return compare(train(recipe, env, tiled=False), train(recipe, env, tiled=True))

@@ -1,0 +1,50 @@
+"""``launch/train.py`` under torchrun: the README's demo command, and the other wrappers."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .harness import LAUNCH_TIMEOUT_S, default_nproc
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={default_nproc()}",
+           "launch/train.py", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def _check_log(proc: subprocess.CompletedProcess, steps: int = 4) -> str:
+    out = proc.stdout
+    for label in ("untiled", "tiled"):
+        lines = re.findall(rf"^\[{label}\] step \d+/{steps}  loss [\d.]+  [\d,]+ tokens/s  peak \w+ [\d,]+ MiB$",
+                           out, re.M)
+        assert len(lines) == steps, f"{label}: {len(lines)} step lines\n{out}\n{proc.stderr[-3000:]}"
+        assert re.search(rf"^\[{label}\] summary: final loss", out, re.M), out
+    return out
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_compare_passes(wrap: str) -> None:
+    """``--wrap ddp --tiling auto --compare`` is the README's main command."""
+    proc = run_train("--wrap", wrap, "--tiling", "auto", "--compare")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
+    out = _check_log(proc)
+    tiled = re.search(rf"^\[tiled\] tiled 2 MLPs, strategies \['{wrap}'\], (\d+) shards", out, re.M)
+    assert tiled and int(tiled.group(1)) >= 2, out
+    assert re.search(r"^compare: max relative parameter difference .* -> OK", out, re.M), out
+
+
+def test_compare_fails_above_tolerance() -> None:
+    proc = run_train("--wrap", "fsdp1", "--compare", "--tol", "0")
+    assert proc.returncode != 0, proc.stdout
+    assert re.search(r"^compare: max relative parameter difference .* -> FAIL", _check_log(proc), re.M), proc.stdout
