@@ -10,6 +10,8 @@
 # CPU processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# torchrun's workers import tiledmlp from this checkout, installed or not (GPU boxes without network).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then
     export TILEDMLP_TEST_NPROC="$1"
