@@ -22,22 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tiledmlp
 
+from .common import HIDDEN, GLUMLP as MLP
+
 pytestmark = pytest.mark.distributed
-
-HIDDEN, INTER = 16, 40
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
 
 class Layer(nn.Module):
     def __init__(self) -> None:
