@@ -37,7 +37,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -222,6 +222,25 @@ class Result:
     tokens_per_s: float
     peak_mib: float
     final_loss: float
+    saved_mib: float  # tensors autograd saved for backward in the first step, parameters excluded
+
+
+@contextlib.contextmanager
+def counting_saved_bytes(model: nn.Module, total: list[int]) -> Iterator[None]:
+    """Add to ``total[0]`` the bytes of every distinct tensor autograd saves for backward (parameters
+    excluded): the activation memory tiling removes, measurable on any device."""
+    params = {p.data_ptr() for p in model.parameters()}
+    seen: set[tuple[int, int]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if t.data_ptr() not in params and key not in seen:
+            seen.add(key)
+            total[0] += key[1]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
@@ -243,12 +262,13 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
     autocast = compute_context(args, env)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    rates, loss_value = [], math.nan
+    rates, loss_value, saved = [], math.nan, [0]
     for step, tokens in enumerate(batches(args, env)):
         tokens = tokens.to(env.device)
         _sync(env)
         start = time.perf_counter()
-        with autocast():
+        count = counting_saved_bytes(model, saved) if step == 0 else contextlib.nullcontext()
+        with autocast(), count:
             loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step()
@@ -265,7 +285,7 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
               for n, p in model.named_parameters()}
     # The first step carries one-time costs (allocator warm-up, FSDP lazy init).
     steady = rates[1:] or rates
-    return Result(params, sum(steady) / len(steady), peak_memory_mib(env)[0], loss_value)
+    return Result(params, sum(steady) / len(steady), peak_memory_mib(env)[0], loss_value, saved[0] / 2**20)
 
 
 def _shards_described(args: argparse.Namespace) -> str:
@@ -293,7 +313,8 @@ def max_relative_difference(got: dict[str, torch.Tensor], ref: dict[str, torch.T
 def summarize(label: str, result: Result, env: Dist) -> None:
     if env.main:
         print(f"[{label}] summary: final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s "
-              f"(steps 2+), peak memory {result.peak_mib:,.0f} MiB on rank 0", flush=True)
+              f"(steps 2+), peak memory {result.peak_mib:,.0f} MiB on rank 0, saved for backward "
+              f"{result.saved_mib:,.2f} MiB", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -322,8 +343,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             memory = (f"; peak memory {tiled.peak_mib:,.0f} vs {untiled.peak_mib:,.0f} MiB"
                       if env.device.type == "cuda" else "")
             print(f"compare: max relative parameter difference tiled vs untiled after {args.steps} steps: "
-                  f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; "
-                  f"{tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
+                  f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; loss {tiled.final_loss:.6f} vs "
+                  f"{untiled.final_loss:.6f}; saved for backward {tiled.saved_mib:,.2f} vs {untiled.saved_mib:,.2f} "
+                  f"MiB; {tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
         return 0 if ok else 1
     finally:
         if dist.is_initialized():

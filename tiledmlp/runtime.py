@@ -2,8 +2,8 @@
 
 Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call:
 strategy forward context (may unshard) → read parameter tensors through the slots (so wrappers'
-current tensors are used) → strategy check → shard size → tiled function → outputs reshaped back to
-the input's leading dims.
+current tensors are used) → strategy check → form and shard size → tiled function, whose outputs
+already have the input's leading dims.
 """
 
 from __future__ import annotations
