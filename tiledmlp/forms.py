@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .function import GradAccumulator, addmm_, mm_into
+from .function import GradAccumulator, addmm_, mm_into, sum_dtype
 from .kernels import glu_backward_, glu_forward
 
 __all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped", "chunk_bounds"]
@@ -261,17 +261,18 @@ class GLUForm:
         w_down = params[lay.down_w]
         inter = w_down.shape[1]
         blocks = chunk_bounds(inter, self.inter_chunks)
-        dx_acc = None
+        whole_fused = lay.fused and len(blocks) == 1  # one GEMM for both projections and for each gradient
+        gc = xc = dx_acc = None
         for start, stop in blocks:
             gate_w, gate_b, up_w, up_b, up_offset = self._weights(params, start, stop, inter)
-            whole_fused = lay.fused and len(blocks) == 1
-            if whole_fused:  # one GEMM for both projections, and one each for their gradients
+            if whole_fused:
                 gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
                 gate, up = gu[:, :inter], gu[:, inter:]
             else:
                 gate, up = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
             cdt = gate.dtype  # the compute dtype (differs from the parameters' under autocast)
-            gc, xc = g.to(cdt), x.to(cdt)
+            if gc is None:  # cast once per shard, not per block
+                gc, xc = g.to(cdt), x.to(cdt)
             dh = torch.mm(gc, w_down[:, start:stop].to(cdt))
             glu_backward_(dh, gate, up, self.activation)  # dh <- h, gate <- d_gate, up <- d_up
             if needs[lay.down_w] and len(blocks) == 1:
@@ -286,18 +287,15 @@ class GLUForm:
                 self._projection_grads(up, up_w_idx, up_b_idx, slice(up_offset + start, up_offset + stop), xc, grads)
             if dx_out is None:
                 continue
-            if dx_acc is None:
-                # One block straight into the output rows; several blocks sum in float32 first.
+            first = dx_acc is None
+            if first:  # one block straight into the output rows; several blocks sum in float32 first
                 single = len(blocks) == 1 and dx_out.dtype == cdt
-                dx_acc = dx_out if single else torch.empty(dx_out.shape, dtype=_sum_dtype(cdt), device=x.device)
-                if whole_fused:
-                    mm_into(dx_acc, gu, params[lay.gate_w].to(cdt))
-                    continue
-                mm_into(dx_acc, gate, gate_w.to(cdt))
+                dx_acc = dx_out if single else torch.empty(dx_out.shape, dtype=sum_dtype(cdt), device=x.device)
+            if whole_fused:
+                mm_into(dx_acc, gu, params[lay.gate_w].to(cdt))
+            else:
+                (mm_into if first else addmm_)(dx_acc, gate, gate_w.to(cdt))
                 addmm_(dx_acc, up, up_w.to(cdt))
-                continue
-            for d, w in ((gate, gate_w), (up, up_w)):
-                addmm_(dx_acc, d, w.to(cdt))
         if lay.down_b is not None and needs[lay.down_b]:
             grads.add(lay.down_b, g.sum(0))
         if dx_acc is not None and dx_acc is not dx_out:
@@ -311,7 +309,3 @@ class GLUForm:
             grads.addmm(w, d_out.t(), x, rows=rows)
         if b is not None and grads.needs[b]:
             grads.add(b, d_out.sum(0), rows=rows)
-
-
-def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

@@ -110,6 +110,11 @@ class TileCall:
     grad_accum_dtype: Optional[torch.dtype] = None
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``dtype`` partials is kept in: float32 for 16-bit floats, else ``dtype``."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``out = a @ b`` (beta = 0: nothing is read from ``out``), with ``out`` of any float dtype."""
     if out.dtype == a.dtype:
@@ -151,7 +156,7 @@ class GradAccumulator:
         self._transposed = [False] * len(params)
         self._written: set[tuple[int, Optional[int], Optional[int]]] = set()
         self._dtypes = [
-            accum_dtype or (torch.float32 if p.dtype in _LOW_PRECISION and num_shards > 1 else p.dtype)
+            accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype)
             for p in params
         ]
 
