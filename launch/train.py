@@ -124,6 +124,19 @@ def init_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
+def shut_down_distributed() -> None:
+    """Tear the process group down while the interpreter is fully alive, on every rank together.
+
+    The last run's DDP/FSDP wrapper sits in reference cycles and its reducer holds the group, so
+    ``destroy_process_group`` alone would leave the Gloo group (and its worker threads) to die during
+    interpreter finalization, which intermittently aborts the process ("terminate called without an
+    active exception"). Free the wrapper first, then let no rank leave while another still talks.
+    """
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def all_reduce_max(value: float, env: Dist) -> float:
     if env.world == 1:
         return value
@@ -328,29 +341,37 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"wrap {args.wrap}, dtype {args.dtype}, seq-len {args.seq_len}, batch {args.batch_size}/rank, "
               f"hidden {args.hidden}, intermediate {args.intermediate}, layers {args.layers}", flush=True)
     try:
-        if not args.compare:
-            summarize("tiled" if args.tiling == "auto" else "untiled", train(args, env, args.tiling == "auto"), env)
-            return 0
-        untiled = train(args, env, tiled=False)
-        summarize("untiled", untiled, env)
-        tiled = train(args, env, tiled=True)
-        summarize("tiled", tiled, env)
-        diff = all_reduce_max(max_relative_difference(tiled.params, untiled.params), env)
-        tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
-        ok = diff <= tol
-        if env.main:
-            # CPU peak RSS only grows over the process's life, so only GPU peaks are comparable.
-            memory = (f"; peak memory {tiled.peak_mib:,.0f} vs {untiled.peak_mib:,.0f} MiB"
-                      if env.device.type == "cuda" else "")
-            print(f"compare: max relative parameter difference tiled vs untiled after {args.steps} steps: "
-                  f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; loss {tiled.final_loss:.6f} vs "
-                  f"{untiled.final_loss:.6f}; saved for backward {tiled.saved_mib:,.2f} vs {untiled.saved_mib:,.2f} "
-                  f"MiB; {tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
-        return 0 if ok else 1
-    finally:
-        if dist.is_initialized():
+        code = run(args, env)
+    except BaseException:
+        if dist.is_initialized():  # no barrier: the other ranks may be stuck in a collective
             dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        shut_down_distributed()
+    return code
 
+
+def run(args: argparse.Namespace, env: Dist) -> int:
+    """Train once (``--tiling``), or untiled then tiled with ``--compare``; the exit status."""
+    if not args.compare:
+        summarize("tiled" if args.tiling == "auto" else "untiled", train(args, env, args.tiling == "auto"), env)
+        return 0
+    untiled = train(args, env, tiled=False)
+    summarize("untiled", untiled, env)
+    tiled = train(args, env, tiled=True)
+    summarize("tiled", tiled, env)
+    diff = all_reduce_max(max_relative_difference(tiled.params, untiled.params), env)
+    tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
+    ok = diff <= tol
+    if env.main:
+        # CPU peak RSS only grows over the process's life, so only GPU peaks are comparable.
+        memory = (f"; peak memory {tiled.peak_mib:,.0f} vs {untiled.peak_mib:,.0f} MiB"
+                  if env.device.type == "cuda" else "")
+        print(f"compare: max relative parameter difference tiled vs untiled after {args.steps} steps: "
+              f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; loss {tiled.final_loss:.6f} vs "
+              f"{untiled.final_loss:.6f}; saved for backward {tiled.saved_mib:,.2f} vs {untiled.saved_mib:,.2f} "
+              f"MiB; {tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
+    return 0 if ok else 1
 
 if __name__ == "__main__":
     sys.exit(main())
