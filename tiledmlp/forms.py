@@ -18,6 +18,7 @@ generic backward 18·H·I (it recomputes the down projection too).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -25,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .function import GradAccumulator, addmm_, mm_into, sum_dtype
+from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
 from .kernels import glu_backward_, glu_forward
+from .sharding import chunk_bounds, dh_blocks
 
-__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped", "chunk_bounds"]
+__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped"]
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,23 @@ class ModuleForm:
             if dx_out is not None:
                 dx_out.zero_()
             return
-        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+        # Each parameter's shard gradient goes into its accumulator the moment autograd has it, and is
+        # released: only the gradients in flight are alive, not every parameter's at once (for an MoE
+        # block that is every expert's full gradient: as much again as the accumulators).
+        handles = [leaves[i].register_post_accumulate_grad_hook(functools.partial(_drain_into, grads, i))
+                   for i in wanted]
+        try:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
         if dx_out is not None:
-            dx, got = got[0], got[1:]
-            dx_out.zero_() if dx is None else dx_out.copy_(dx)
-        for i, g in zip(wanted, got):
-            grads.add(i, g)
+            dx_out.zero_() if x_leaf.grad is None else dx_out.copy_(x_leaf.grad)
+
+
+def _drain_into(grads: GradAccumulator, i: int, leaf: torch.Tensor) -> None:
+    grads.add(i, leaf.grad)
+    leaf.grad = None
 
 
 def activation_name(act: Any) -> Optional[str]:
@@ -198,22 +211,18 @@ def _get(params: Sequence[torch.Tensor], i: Optional[int]) -> Optional[torch.Ten
     return None if i is None else params[i]
 
 
-def chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
-    """``chunks`` near-equal ``[start, stop)`` blocks of ``range(size)`` (fewer if ``size`` is small)."""
-    step = -(-size // max(1, chunks))
-    return [(start, min(start + step, size)) for start in range(0, size, step)]
-
-
 class GLUForm:
     """Fast form for ``down(act(gate(x)) * up(x))`` (SwiGLU, GEGLU, tanh-GEGLU; split or fused).
 
-    Backward works on one token shard in ``inter_chunks`` blocks of the intermediate dimension: per
-    block it recomputes the gate and up columns, computes ``dh = g @ W_down[:, block]``, and the fused
-    kernel overwrites those three ``[rows, block]`` buffers with ``h``, ``d_gate`` and ``d_up``. Weight
-    gradients go block by block into the float32 accumulators (the down projection's kept transposed
-    so its column block is contiguous). Blocks let a shard hold more tokens — fewer passes over the
-    accumulators, longer GEMM reductions — for the same scratch; with several blocks the input
-    gradient of the shard is summed in a float32 ``[rows, hidden]`` buffer.
+    Backward works on one token shard in ``inter_chunks`` blocks of the intermediate dimension
+    (normally one). Per block it recomputes the gate and up columns; then, one ``dh_blocks`` column
+    block at a time, it computes ``dh = g @ W_down[:, cols]``, the fused kernel overwrites ``dh`` with
+    ``h`` and the gate/up columns with their gradients, and ``h`` feeds the down projection's weight
+    gradient (accumulated transposed, so a column block of ``W_down`` is a contiguous row block).
+    Then the gate/up weight gradients and the input gradient come from the full-width buffers.
+    Scratch: ``(2 * block + dh block) * rows`` elements (``sharding.glu_scratch_per_token``). With
+    several intermediate blocks the shard's input gradient is summed in a float32 ``[rows, hidden]``
+    buffer.
     """
 
     stochastic = False
@@ -273,12 +282,21 @@ class GLUForm:
             cdt = gate.dtype  # the compute dtype (differs from the parameters' under autocast)
             if gc is None:  # cast once per shard, not per block
                 gc, xc = g.to(cdt), x.to(cdt)
-            dh = torch.mm(gc, w_down[:, start:stop].to(cdt))
-            glu_backward_(dh, gate, up, self.activation)  # dh <- h, gate <- d_gate, up <- d_up
-            if needs[lay.down_w] and len(blocks) == 1:
-                grads.addmm(lay.down_w, gc.t(), dh)
-            elif needs[lay.down_w]:  # a column block of W_down is a row block of its transpose
-                grads.addmm(lay.down_w, dh.t(), gc, rows=slice(start, stop), transposed=True)
+            sub_blocks = dh_blocks(stop - start)
+            # One buffer for every dh block (a fresh tensor per block would be allocated while the
+            # previous one is still referenced: two blocks of scratch instead of one).
+            dh_buf = torch.empty(x.shape[0] * max(b - a for a, b in sub_blocks), dtype=cdt, device=x.device)
+            for sub_start, sub_stop in sub_blocks:
+                cols = slice(sub_start, sub_stop)
+                dh = torch.mm(gc, w_down[:, start + sub_start:start + sub_stop].to(cdt),
+                              out=dh_buf[:x.shape[0] * (sub_stop - sub_start)].view(x.shape[0], sub_stop - sub_start))
+                glu_backward_(dh, gate[:, cols], up[:, cols], self.activation)  # dh <- h, gate/up <- their grads
+                if needs[lay.down_w] and len(blocks) == len(sub_blocks) == 1:
+                    grads.addmm(lay.down_w, gc.t(), dh)
+                elif needs[lay.down_w]:  # a column block of W_down is a row block of its transpose
+                    grads.addmm(lay.down_w, dh.t(), gc, rows=slice(start + sub_start, start + sub_stop),
+                                transposed=True)
+            del dh, dh_buf  # before the weight-gradient partials need their buffer
             if whole_fused:
                 self._projection_grads(gu, lay.gate_w, lay.gate_b, slice(None), xc, grads)
             else:

@@ -47,9 +47,10 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
-__all__ = ["Form", "TileCall", "GradAccumulator", "run_tiled", "in_shard"]
+from .accumulate import GradAccumulator
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+__all__ = ["Form", "TileCall", "run_tiled", "in_shard"]
+
 _state = threading.local()
 
 
@@ -108,101 +109,6 @@ class TileCall:
     lead_shape: tuple[int, ...]
     around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     grad_accum_dtype: Optional[torch.dtype] = None
-
-
-def sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a sum of ``dtype`` partials is kept in: float32 for 16-bit floats, else ``dtype``."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
-
-
-def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b`` (beta = 0: nothing is read from ``out``), with ``out`` of any float dtype."""
-    if out.dtype == a.dtype:
-        return torch.mm(a, b, out=out)
-    if out.is_cuda:
-        return torch.mm(a, b, out_dtype=out.dtype, out=out)
-    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-
-
-def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc += a @ b`` in place for any dtypes. A float32 ``acc`` with 16-bit operands receives the
-    GEMM's float32 result unrounded: on CUDA cuBLAS accumulates straight into the float32 C matrix
-    (``addmm(..., out_dtype=float32, out=acc)``: no temporary, measured 0.66 vs 0.77 ms per
-    4096x4096x14336 shard against ``acc += mm(a, b, out_dtype=float32)`` on an H200); on CPU through
-    a float32 GEMM."""
-    if acc.dtype == a.dtype:
-        return acc.addmm_(a, b)
-    if acc.is_cuda:
-        return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
-class GradAccumulator:
-    """Sums per-shard parameter gradients, once per parameter per backward.
-
-    A low-precision parameter (bf16/fp16) split over several shards accumulates in float32, so the sum
-    of shard gradients rounds once at the end like the untiled GEMM's fp32 accumulation does; this costs
-    one float32 buffer per trainable parameter during this module's backward only. Accumulators are
-    allocated at a parameter's first contribution (a parameter no shard used keeps ``None``), may be
-    updated block by block (``rows``), and may be kept transposed so that a column block of the
-    parameter is a contiguous row block of the accumulator.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], needs: Sequence[bool], num_shards: int,
-                 accum_dtype: Optional[torch.dtype]) -> None:
-        self._params = params
-        self.needs = tuple(needs)
-        self._sums: list[Optional[torch.Tensor]] = [None] * len(params)
-        self._transposed = [False] * len(params)
-        self._written: set[tuple[int, Optional[int], Optional[int]]] = set()
-        self._dtypes = [
-            accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype)
-            for p in params
-        ]
-
-    def _block(self, i: int, rows: slice, transposed: bool) -> tuple[torch.Tensor, bool]:
-        """The accumulator block ``rows`` of parameter ``i`` and whether this is its first write.
-
-        Buffers are uninitialized and a block's first contribution overwrites it (a GEMM with beta=0,
-        ~10% faster than accumulating into zeros, and no fill): forms write every block they use in
-        their first shard, so no block is read before it is written.
-        """
-        key = (i, rows.start, rows.stop)
-        first = key not in self._written
-        self._written.add(key)
-        acc = self._sums[i]
-        if acc is None:
-            p = self._params[i]
-            shape = tuple(reversed(p.shape)) if transposed else tuple(p.shape)
-            acc = self._sums[i] = torch.empty(shape, dtype=self._dtypes[i], device=p.device)
-            self._transposed[i] = transposed
-        return acc[rows], first
-
-    def add(self, i: int, grad: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
-        """Add a shard's gradient ``grad`` for parameter ``i`` (or for its leading-dim block ``rows``)."""
-        if grad is None:
-            return
-        block, first = self._block(i, rows, False)
-        block.copy_(grad) if first else block.add_(grad)
-
-    def addmm(self, i: int, a: torch.Tensor, b: torch.Tensor, rows: slice = slice(None),
-              transposed: bool = False) -> None:
-        """``grad_i[rows] += a @ b`` (of ``grad_i.T`` when ``transposed``), in place, no temporary."""
-        block, first = self._block(i, rows, transposed)
-        (mm_into if first else addmm_)(block, a, b)
-
-    def results(self) -> list[Optional[torch.Tensor]]:
-        """Gradients in the parameters' dtypes and layouts; each accumulator is released as soon as it
-        is converted, so the conversion peak is one parameter, not all of them."""
-        out: list[Optional[torch.Tensor]] = []
-        for i, (p, need) in enumerate(zip(self._params, self.needs)):
-            acc, self._sums[i] = self._sums[i], None
-            if not need or acc is None:
-                out.append(None)
-            else:
-                acc = acc.t() if self._transposed[i] else acc
-                out.append(acc.to(p.dtype, memory_format=torch.contiguous_format))
-        return out
 
 
 def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:

@@ -26,12 +26,45 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ShardPolicy", "auto_num_shards", "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE"]
+__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "glu_scratch_per_token",
+           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "DH_SPLIT"]
 
-DEFAULT_SCRATCH_MIB = 1024
+DEFAULT_SCRATCH_MIB = 512
 MAX_AUTO_TILE = 8192  # beyond this, measured no faster (H200, Llama-3-8B MLP)
 _MIN_TILE = 1024  # below this, split the intermediate dimension rather than the tokens
 _QUANTUM = 1024
+DH_SPLIT = 4  # the GLU backward computes dh in this many column blocks of the intermediate dimension...
+_DH_BLOCK_MIN = 2048  # ...each at least this wide (narrower GEMMs lose more than the scratch is worth)
+
+
+_ALIGN = 64  # block widths in elements: GEMMs on 16-byte-misaligned column blocks fall back to kernels ~4x slower
+
+
+def chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` near-equal ``[start, stop)`` blocks of ``range(size)`` (fewer if ``size`` is small),
+    each but the last a multiple of 64 wide, so that every block starts 16-byte aligned."""
+    step = -(-size // max(1, chunks))
+    if step < size:
+        step = -(-step // _ALIGN) * _ALIGN
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def dh_blocks(width: int) -> list[tuple[int, int]]:
+    """Column blocks in which the GLU backward computes ``dh`` over an intermediate block of ``width``.
+
+    ``gate`` and ``up`` are recomputed whole (two big GEMMs), but ``dh``, and the ``h`` that the
+    activation kernel writes over it, exist one block at a time: the scratch is ``2 + 1/blocks``
+    rows of ``width`` instead of 3, for the price of splitting two of the seven GEMMs of a shard.
+    """
+    return chunk_bounds(width, max(1, min(DH_SPLIT, width // _DH_BLOCK_MIN)))
+
+
+def glu_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1) -> int:
+    """Bytes of fast-GLU backward scratch per token of a shard: ``gate`` and ``up`` rows of one
+    intermediate block, and one ``dh`` column block."""
+    width = max(stop - start for start, stop in chunk_bounds(inter, inter_chunks))
+    dh_width = max(stop - start for start, stop in dh_blocks(width))
+    return (2 * width + dh_width) * itemsize
 
 
 def auto_num_shards(tokens: int, hidden: int) -> int:
@@ -89,13 +122,14 @@ class ShardPolicy:
     def glu_tile(self, tokens: int, inter: int, itemsize: int) -> tuple[int, int]:
         """``(tokens per shard, intermediate blocks)`` for the fast GLU form."""
         tokens = max(tokens, 1)
-        per_token = 3 * inter * itemsize  # gate, up and dh rows of one token, in bytes
         budget = (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
         rows = self._fixed_rows(tokens)
         if rows is None:
-            fits = int(budget // per_token) // _QUANTUM * _QUANTUM
+            fits = int(budget // glu_scratch_per_token(inter, itemsize)) // _QUANTUM * _QUANTUM
             rows = _equalize(tokens, max(_MIN_TILE, min(MAX_AUTO_TILE, fits)))
         chunks = self.inter_chunks
         if chunks is None:
-            chunks = max(1, math.ceil(rows * per_token / budget))
+            chunks = 1
+            while chunks < inter and rows * glu_scratch_per_token(inter, itemsize, chunks) > budget:
+                chunks += 1
         return rows, chunks

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiledmlp
+from tiledmlp.kernels import scaled_accumulate_, scaled_empty, scaled_finalize_
 from unit_helpers import llama_mlp, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -37,17 +38,46 @@ def test_bf16_error_against_float64_on_gpu(form):
         assert e_t <= 1.15 * e_u, (e_t, e_u)
 
 
-def test_tiled_peak_memory_is_far_below_untiled():
-    def peak(module):
-        x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn_like(x)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        module(x).backward(g)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+def _backward_peak(module) -> int:
+    """Peak bytes allocated by one forward+backward above what existed before (inputs included)."""
+    x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    module(x).backward(g)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
-    untiled = peak(llama_mlp(H, I).cuda().bfloat16())
-    tiled = peak(tiledmlp.enable_tiling(llama_mlp(H, I).cuda().bfloat16(), tile_tokens=1024))
+
+def test_tiled_peak_memory_is_far_below_untiled():
+    untiled = _backward_peak(llama_mlp(H, I).cuda().bfloat16())
+    tiled = _backward_peak(tiledmlp.enable_tiling(llama_mlp(H, I).cuda().bfloat16(), tile_tokens=1024))
     assert tiled < 0.5 * untiled, (tiled, untiled)
+
+
+def test_default_accumulators_save_the_float32_sum():
+    """Block-scaled accumulators live in the gradient's 2 bytes: against float32 ones (4 bytes, then
+    the 2-byte gradient) the peak drops by 2 bytes per weight element, less the partial buffer."""
+    def peak(**options):
+        return _backward_peak(tiledmlp.enable_tiling(llama_mlp(H, I).cuda().bfloat16(), tile_tokens=1024, **options))
+
+    saved = peak(grad_accum_dtype=torch.float32) - peak()
+    weights, partial = 3 * H * I, H * I  # elements; the partial buffer holds one weight's bf16 GEMM output
+    assert saved >= 0.9 * 2 * (weights - partial), (saved, 2 * (weights - partial))
+
+
+def test_scaled_accumulator_triton_matches_torch_on_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    parts = [torch.randn(300, 5000, device="cuda", generator=gen).bfloat16() for _ in range(6)]
+    parts[2][3, 11] = float("inf")
+    parts[4][5, 2000] = float("nan")
+    outs = []
+    for backend in ("triton", "torch"):
+        acc, exps = scaled_empty(300, 5000, device=torch.device("cuda"))
+        for i, p in enumerate(parts):
+            scaled_accumulate_(acc, exps, p, first=i == 0, backend=backend)
+        outs.append(scaled_finalize_(acc, exps, backend=backend))
+    nan = outs[1].isnan()
+    assert torch.equal(outs[0].isnan(), nan)
+    assert torch.equal(outs[0][~nan].view(torch.int16), outs[1][~nan].view(torch.int16))

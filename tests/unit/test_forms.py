@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,8 @@ from transformers import Phi3Config
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 import tiledmlp
+from tiledmlp import sharding
+from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.patching import STATE_ATTR
 from unit_helpers import assert_close_rel, assert_grads_match, leaf_like, llama_mlp, pair
 
@@ -142,6 +146,25 @@ def test_custom_module_via_mlp_types_generic_form():
     check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
 
 
+def test_generic_form_releases_each_shard_gradient_once_accumulated(monkeypatch):
+    """A parameter's shard gradient is added and freed before the next one arrives, so the generic
+    form never holds every parameter's gradient at once (for an MoE block: every expert's)."""
+    seen: list[weakref.ref] = []
+    add = GradAccumulator.add
+
+    def checked_add(self, i, grad, rows=slice(None)):
+        assert all(ref() is None for ref in seen), "an earlier shard gradient is still alive"
+        add(self, i, grad, rows)
+        seen.append(weakref.ref(grad))
+
+    monkeypatch.setattr(GradAccumulator, "add", checked_add)
+    torch.manual_seed(0)
+    tiled, ref = pair(Block())
+    tiledmlp.enable_tiling(tiled, num_shards=3, mlp_types=(TwoLayerMLP,))
+    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    assert len(seen) == 3 * len(list(tiled.mlp.parameters()))
+
+
 def test_register_mlp_makes_a_type_recognizable(monkeypatch):
     monkeypatch.setattr("tiledmlp.patching._REGISTERED", [])
     torch.manual_seed(0)
@@ -243,6 +266,29 @@ def test_glu_backward_in_intermediate_blocks(chunks, bias):
     """Blocks of the intermediate dimension (more blocks than columns is fine: fewer are used)."""
     tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
     tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
+    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_backward_computes_dh_in_column_blocks(monkeypatch, chunks, bias):
+    """dh (and h) one column block at a time, the down projection's gradient block by block."""
+    monkeypatch.setattr(sharding, "_DH_BLOCK_MIN", 8)
+    monkeypatch.setattr(sharding, "_ALIGN", 1)  # these sizes are far below one aligned block
+    assert len(sharding.dh_blocks(88 // chunks)) > 1
+    tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
+    tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
+    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_fused_glu_dh_column_blocks(monkeypatch, shards):
+    """One shard writes every gradient block directly (no accumulation); several accumulate."""
+    monkeypatch.setattr(sharding, "_DH_BLOCK_MIN", 8)
+    monkeypatch.setattr(sharding, "_ALIGN", 1)
+    torch.manual_seed(0)
+    tiled, ref = pair(Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=72, hidden_act="silu")))
+    tiledmlp.enable_tiling(tiled, num_shards=shards)
     check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
 
 

@@ -11,17 +11,14 @@ Triton-backend cases in a child pytest with the interpreter on, so a plain
 import importlib.util
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import tiledmlp.kernels
 from tiledmlp.kernels import ACTIVATIONS, glu_backward_, glu_forward, use_triton
+from unit_helpers import run_interpreted
 
 # The interpreter evaluates sigmoid's exp(-x) in numpy, which warns when it
 # saturates to inf for very negative x; that overflow is intended.
@@ -192,18 +189,7 @@ if HAS_TRITON and not INTERPRET:
 
     def test_interpreted_triton_kernels():
         """Run this module's Triton-backend cases under the Triton interpreter in a child pytest."""
-        package_root = Path(tiledmlp.kernels.__file__).resolve().parents[2]
-        env = {
-            **os.environ,
-            "TRITON_INTERPRET": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(package_root), os.environ.get("PYTHONPATH")))),
-        }
-        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "triton and not CUDA"]
-        proc = subprocess.run(
-            cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+        run_interpreted(__file__, "triton")
 
     def test_interpreter_enabled_after_import_is_not_used(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")

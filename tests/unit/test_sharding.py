@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tiledmlp import ShardPolicy, auto_num_shards
+from tiledmlp.sharding import DEFAULT_SCRATCH_MIB, chunk_bounds, dh_blocks, glu_scratch_per_token
 
 
 @pytest.mark.parametrize("tokens, hidden, shards", [(1, 4096, 1), (4096, 4096, 1), (4097, 4096, 2), (131072, 4096, 32)])
@@ -16,17 +17,33 @@ def test_generic_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
 
 
 @pytest.mark.parametrize("tokens, inter, scratch_mib, tile", [
-    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 672 MiB of scratch <= 1024
+    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 504 MiB of scratch <= 512
     (9000, 14336, None, (4500, 1)),  # two equal shards rather than 8192 + 808
     (4000, 14336, None, (4000, 1)),  # short sequences: one shard
-    (131072, 28672, None, (5958, 1)),  # Llama-70B: 6144 fit the budget, made 22 equal shards
-    (131072, 14336, 256, (3049, 1)),  # a tighter budget: 3072 fit, made 43 equal shards
-    (131072, 14336, 64, (1024, 2)),  # below 1024 tokens the intermediate dimension is split
+    (131072, 28672, None, (4096, 1)),  # Llama-70B: 4096 tokens fit the budget
+    (131072, 14336, 200, (3049, 1)),  # a tighter budget: 3072 fit, made 43 equal shards
+    (131072, 14336, 32, (1024, 3)),  # below 1024 tokens the intermediate dimension is split
 ])
 def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, scratch_mib, tile):
     rows, chunks = ShardPolicy(scratch_mib=scratch_mib).glu_tile(tokens, inter, itemsize=2)
     assert (rows, chunks) == tile
-    assert 3 * rows * -(-inter // chunks) * 2 <= (scratch_mib or 1024) * 2**20 or rows == 1024
+    assert rows * glu_scratch_per_token(inter, 2, chunks) <= (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+
+
+def test_glu_scratch_counts_gate_up_and_one_dh_block():
+    assert dh_blocks(14336) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
+    assert dh_blocks(3000) == [(0, 3000)]  # narrower blocks would lose more GEMM speed than they save
+    assert glu_scratch_per_token(14336, 2) == (2 * 14336 + 3584) * 2
+    assert glu_scratch_per_token(14336, 2, inter_chunks=2) == (2 * 7168 + 2432) * 2
+
+
+def test_blocks_are_aligned_for_fast_gemms():
+    """Every block but the last is a multiple of 64 wide (a 16-byte-misaligned bf16 column block
+    sends cuBLAS to kernels ~4x slower), so a block count may come out lower than asked."""
+    assert chunk_bounds(14336, 3) == [(0, 4800), (4800, 9600), (9600, 14336)]
+    assert dh_blocks(7168) == [(0, 2432), (2432, 4864), (4864, 7168)]
+    assert chunk_bounds(88, 3) == [(0, 64), (64, 88)]
+    assert chunk_bounds(5, 8) == [(0, 5)]
 
 
 def test_glu_fixed_tiles_override_the_budget():

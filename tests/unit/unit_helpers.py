@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -52,3 +57,16 @@ def assert_grads_match(tiled: nn.Module, ref: nn.Module, tol: float = 1e-5) -> N
         assert (p.grad is None) == (q.grad is None), f"{name}: grad None-ness differs ({p.grad is None} vs {q.grad is None})"
         if p.grad is not None:
             assert_close_rel(p.grad, q.grad, tol, name)
+
+
+def run_interpreted(test_file: str, keyword: str) -> None:
+    """Run ``test_file``'s tests matching ``keyword`` in a child pytest with ``TRITON_INTERPRET=1``
+    (Triton picks interpreter or compiler when a kernel is defined, i.e. at import), so a plain CPU run
+    exercises the Triton kernels; fails unless some ran and all passed."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", f"{keyword} and not CUDA"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -1,5 +1,7 @@
 """Fused kernels: Triton implementations with pure-torch fallbacks."""
 
 from tiledmlp.kernels.glu import ACTIVATIONS, glu_backward_, glu_forward, use_triton
+from tiledmlp.kernels.scaled_accum import scaled_accumulate_, scaled_empty, scaled_finalize_
 
-__all__ = ["ACTIVATIONS", "glu_backward_", "glu_forward", "use_triton"]
+__all__ = ["ACTIVATIONS", "glu_backward_", "glu_forward", "scaled_accumulate_", "scaled_empty", "scaled_finalize_",
+           "use_triton"]

@@ -101,7 +101,7 @@ def glu_forward(
         _check_no_row_overlap(out=out)
     if gate.numel() == 0:
         return out
-    if _resolve_backend(backend, gate) == "triton":
+    if resolve_backend(backend, gate) == "triton":
         _launch(glu_triton.glu_forward_kernel, (gate, up, out), activation)
     else:
         _glu_forward_torch(gate, up, activation, out)
@@ -137,7 +137,7 @@ def glu_backward_(grad_h: Tensor, gate: Tensor, up: Tensor, activation: str, *, 
     _check_distinct(gate=gate, up=up, grad_h=grad_h)
     if gate.numel() == 0:
         return
-    if _resolve_backend(backend, gate) == "triton":
+    if resolve_backend(backend, gate) == "triton":
         _launch(glu_triton.glu_backward_kernel, (grad_h, gate, up), activation)
     else:
         _glu_backward_torch(grad_h, gate, up, activation)
@@ -163,7 +163,8 @@ def _launch(kernel, tensors: tuple[Tensor, Tensor, Tensor], activation: str) -> 
         )
 
 
-def _resolve_backend(backend: str, t: Tensor) -> str:
+def resolve_backend(backend: str, t: Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for ``backend`` on tensors like ``t`` (shared by every kernel module)."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(map(repr, _BACKENDS))}")
     if backend == "auto":
