@@ -11,7 +11,7 @@ tokens). The representations, per trainable parameter (``grad_accum_dtype`` over
 accumulator                bytes/param  used for
 =========================  ===========  ===============================================================
 none                       2            one shard: its GEMM writes the gradient directly (beta = 0)
-block-scaled float16       2 (+1/512)   default for 2-D bf16 weights: float16 significands with one
+block-scaled float16       2 (+1/512)   default for bf16 weights (2-D or more): float16 significands with one
                                         power-of-two exponent per 1024 elements, re-chosen at every
                                         add (``kernels/scaled_accum.py``); 8x finer than bf16, never
                                         overflows, finalized in place into the bf16 gradient
@@ -36,6 +36,7 @@ noise, which stays within the untiled GEMM's own error (``docs/benchmarks.md``).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -93,7 +94,7 @@ class GradAccumulator:
         self._exps: list[Optional[torch.Tensor]] = [None] * len(params)  # block-scaled only
         self._transposed = [False] * len(params)
         self._written: set[tuple[int, Optional[int], Optional[int]]] = set()
-        self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() == 2
+        self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() >= 2
                         for p in params]
         self._dtypes = [accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype) for p in params]
         self._partial: Optional[torch.Tensor] = None
@@ -112,8 +113,10 @@ class GradAccumulator:
         if self._sums[i] is None:
             p = self._params[i]
             shape = tuple(reversed(p.shape)) if transposed else tuple(p.shape)
-            if self._scaled[i]:
-                self._sums[i], self._exps[i] = scaled_empty(*shape, device=p.device)
+            if self._scaled[i]:  # kept 2-D: [all leading dims, last dim] (3-D MoE expert weights too)
+                if len(shape) > 2 and rows != slice(None):
+                    raise NotImplementedError("row blocks of a block-scaled accumulator need a 2-D parameter")
+                self._sums[i], self._exps[i] = scaled_empty(math.prod(shape[:-1]), shape[-1], device=p.device)
             else:
                 self._sums[i] = torch.empty(shape, dtype=self._dtypes[i], device=p.device)
             self._transposed[i] = transposed
@@ -173,6 +176,6 @@ class GradAccumulator:
                 continue
             if exps is not None:
                 acc = scaled_finalize_(acc, exps, p.dtype)  # in place: the accumulator becomes the gradient
-            acc = acc.t() if self._transposed[i] else acc
+            acc = acc.t() if self._transposed[i] else acc.view(p.shape)
             out.append(acc.to(p.dtype, memory_format=torch.contiguous_format))
         return out

@@ -169,12 +169,21 @@ def test_grad_accumulator_chunks_the_partial_buffer(monkeypatch):
 
 
 def test_grad_accumulator_representations():
-    """Default: block-scaled for 2-D bf16 weights over several shards; float32 for biases, float16
-    and float32 weights; one shard writes the gradient directly; ``grad_accum_dtype`` forces one dtype."""
+    """Default: block-scaled for bf16 weights (2-D or more) over several shards; float32 for biases,
+    float16 and float32 weights; one shard writes the gradient directly; ``grad_accum_dtype`` forces
+    one dtype."""
     w, b = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
     w16, w32 = torch.empty(8, 16, dtype=torch.float16), torch.empty(8, 16)
-    grads = GradAccumulator([w, b, w16, w32], [True] * 4, 2, None)
-    assert grads._scaled == [True, False, False, False] and grads._dtypes[1:] == [torch.float32] * 3
+    experts = torch.empty(3, 8, 16, dtype=torch.bfloat16)
+    grads = GradAccumulator([w, b, w16, w32, experts], [True] * 5, 2, None)
+    assert grads._scaled == [True, False, False, False, True] and grads._dtypes[1:4] == [torch.float32] * 3
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(3, 8, 16, generator=gen).bfloat16() for _ in range(2)]
+    for p in parts:
+        grads.add(4, p)
+    got = grads.results()[4]
+    assert got.shape == experts.shape and got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert rel_err(got, _exact(parts)) <= 1.05 * rel_err(_exact(parts).bfloat16(), _exact(parts))
     assert GradAccumulator([w], [True], 1, None)._scaled == [False]
     assert GradAccumulator([w], [True], 2, torch.float32)._scaled == [False]
     assert GradAccumulator([w], [True], 2, torch.bfloat16)._dtypes == [torch.bfloat16]
