@@ -15,15 +15,38 @@ from pathlib import Path
 import torch
 
 import bench_mlp as bm
+from tiledmlp import sharding
 
-DEFAULT_TILES = "auto,mib=256,2048:1,4096:1,8192:1,8192:2,16384:1,16384:4"
+DEFAULT_DH_SPLIT = sharding.DH_SPLIT
+
+DEFAULT_TILES = "auto,mib=256,mib=384,mib=768,4096:1,8192:1/dh1,8192:2,16384:1,8192:1/fp32"
+
+
+def tile_options(tile: str) -> dict:
+    """``auto``, ``mib=N`` (auto with ``scratch_mib=N``) or ``R:C`` (R tokens, C intermediate blocks),
+    optionally suffixed ``/fp32`` (float32 gradient accumulators instead of the block-scaled default)
+    or ``/dhN`` (``dh`` in N column blocks instead of ``sharding.DH_SPLIT``; sets ``_dh_split``)."""
+    shape, _, suffix = tile.partition("/")
+    options: dict = {}
+    if suffix == "fp32":
+        options["grad_accum_dtype"] = torch.float32
+    elif suffix.startswith("dh"):
+        options["_dh_split"] = int(suffix[2:])
+    elif suffix:
+        raise SystemExit(f"unknown suffix in {tile!r}; use /fp32, /dhN or nothing")
+    if shape.startswith("mib="):
+        options["scratch_mib"] = float(shape[4:])
+    elif shape != "auto":
+        rows_per, chunks = (int(v) for v in shape.split(":"))
+        options.update(tile_tokens=rows_per, inter_chunks=chunks)
+    return options
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", default="8192,32768,131072")
     parser.add_argument("--tiles", default=DEFAULT_TILES,
-                        help="tile_tokens:inter_chunks pairs, 'auto' (default policy) or 'mib=N' (auto with scratch_mib=N)")
+                        help="comma-separated; see tile_options()")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--baselines", default="eager,liger_tiled")
@@ -40,17 +63,11 @@ def main() -> None:
         x = torch.randn(1, tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_()
         g = torch.randn(1, tokens, shape.hidden, generator=gen, device=device).to(dtype)
         variants = [(name, {}) for name in args.baselines.split(",") if name]
-        for tile in args.tiles.split(","):
-            if tile == "auto":
-                variants.append(("tiledmlp[auto]", {}))
-                continue
-            if tile.startswith("mib="):
-                variants.append((f"tiledmlp[auto,{tile}]", {"scratch_mib": float(tile[4:])}))
-                continue
-            rows_per, chunks = (int(v) for v in tile.split(":"))
-            variants.append((f"tiledmlp[{rows_per}x{chunks}]", {"tile_tokens": rows_per, "inter_chunks": chunks}))
+        variants += [(f"tiledmlp[{tile}]", tile_options(tile)) for tile in args.tiles.split(",")]
         eager_ms = None
         for label, options in variants:
+            options = dict(options)
+            sharding.DH_SPLIT = options.pop("_dh_split", DEFAULT_DH_SPLIT)
             run_args.tiledmlp_options = options
             base = label.split("[")[0]
             result = bm.measure_or_record(base, shape, state, x, g, None, run_args)

@@ -30,6 +30,18 @@ def step(mlp, x, g) -> None:
     mlp(x).backward(g)
 
 
+def wall_ms(mlp, x, g) -> float:
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(mlp, x, g)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -38,6 +50,7 @@ def main() -> None:
     parser.add_argument("--tile-tokens", type=int, default=None)
     parser.add_argument("--inter-chunks", type=int, default=None)
     parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--by-shape", action="store_true", help="also list GEMM ops by input shapes")
     args = parser.parse_args()
     x = torch.randn(1, args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
@@ -47,14 +60,21 @@ def main() -> None:
         for _ in range(3):
             step(mlp, x, g)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape) as prof:
             step(mlp, x, g)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
         total = sum(e.self_device_time_total for e in events)
-        print(f"== {name} T={args.tokens} {opts or ''}: total CUDA {total / 1e3:.2f} ms")
+        print(f"== {name} T={args.tokens} {opts or ''}: total CUDA {total / 1e3:.2f} ms, "
+              f"wall {wall_ms(mlp, x, g):.2f} ms (median of 5; the difference is time the GPU waited)")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
             print(f"  {e.self_device_time_total / 1e3:8.3f} ms  x{e.count:<4} {e.key[:110]}")
+        if args.by_shape:
+            gemms = [e for e in prof.key_averages(group_by_input_shape=True)
+                     if e.key in ("aten::mm", "aten::addmm", "aten::linear") and e.device_time_total > 0]
+            for e in sorted(gemms, key=lambda e: -e.device_time_total)[: args.rows]:
+                per_call = e.device_time_total / e.count / 1e3
+                print(f"  {e.device_time_total / 1e3:8.3f} ms  x{e.count:<4} {per_call:.3f} ms/call  {e.key} {e.input_shapes}")
         del mlp
         torch.cuda.empty_cache()
 

@@ -12,6 +12,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD:$PWD/benchmarks:${PYTHONPATH:-}
 what=${1:-all}
+started=$(mktemp)  # results written after this are this run's
 run() { [[ $what == all || $what == "$1" ]]; }
 run accum && python3 benchmarks/bench_accum.py
 run checkpoint && python3 benchmarks/bench_checkpoint.py
@@ -19,4 +20,4 @@ run tiles && python3 benchmarks/bench_tiles.py
 run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1048576 --reps 9 \
     && python3 benchmarks/bench_mlp.py --act gelu_tanh --seq-lens 8192,32768,131072 --reps 9
 run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
-if [[ -n ${OUT:-} ]]; then cp benchmarks/results/* "$OUT"/ 2>/dev/null; fi
+if [[ -n ${OUT:-} ]]; then find benchmarks/results -type f -newer "$started" -exec cp {} "$OUT"/ \;; fi

@@ -53,12 +53,14 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
         inter_chunks: blocks of the intermediate dimension per shard in the fast GLU backward
             (scratch shrinks by that factor); None: automatic.
-        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 1024): the
-            speed/memory knob of the automatic policy.
+        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 512: 8192-token
+            shards of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
         form: ``"auto"`` (fast GLU form where recognized and verified) or ``"generic"`` (always the
             module's own forward).
-        grad_accum_dtype: dtype of the per-parameter gradient accumulators across shards; ``None``
-            is float32 for bf16/fp16 parameters with more than one shard, else the parameter dtype.
+        grad_accum_dtype: how shard gradients are summed (``tiledmlp.accumulate``). ``None``: bf16
+            weights in block-scaled float16 (2 bytes per element, the gradient's own memory), other
+            16-bit parameters in float32; ``torch.float32``: every sum in float32 (exact, 4 bytes);
+            ``torch.bfloat16``: the anchors' bf16 running sum.
         mlp_types: extra module types to tile with the generic form (see :func:`register_mlp`).
         include_moe: tile MoE blocks (default True).
 
@@ -66,8 +68,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     nothing is changed.
 
     Memory: each tiled MLP keeps only its input (``tokens * hidden``) for backward, instead of
-    several ``tokens * intermediate`` activations; backward adds one shard's intermediates and one
-    gradient accumulator per trainable parameter. Communication: none added — each parameter's
+    several ``tokens * intermediate`` activations; backward adds one shard's intermediates, one
+    gradient accumulator per trainable parameter (2 bytes per bf16 weight element by default) and a
+    partial-gradient buffer of at most 64 MiB. Communication: none added — each parameter's
     gradient reaches the wrapper once per backward, as untiled.
     """
     unknown = sorted(set(options) - set(_OPTIONS))

@@ -7,17 +7,19 @@ Auto policy (``tiledmlp.enable_tiling`` defaults), measured on an H200 for the L
 form                   shard size
 =====================  ==================================================================================
 fast GLU form          the largest shard up to 8192 tokens whose backward scratch
-                       (``3 * rows * intermediate / inter_chunks`` elements) fits ``scratch_mib``
-                       (default 1024 MiB), one intermediate block; below 1024 tokens the intermediate
-                       dimension is split instead. Shards are made equal-sized.
+                       (``glu_scratch_per_token``: gate and up rows plus one ``dh`` column block)
+                       fits ``scratch_mib`` (default 512 MiB), one intermediate block; below 1024
+                       tokens the intermediate dimension is split instead. Shards are made equal-sized.
 generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 ``num_shards=N``       ``ceil(tokens / N)`` tokens
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
 =====================  ==================================================================================
 
-Larger shards are faster (fewer passes over the float32 gradient accumulators, longer GEMM
-reductions) up to about 8192 tokens; each costs ``3 * rows * intermediate`` elements of backward
-scratch. Smaller budgets trade speed for memory.
+Larger shards are faster (fewer passes over the gradient accumulators, longer GEMM reductions) up to
+about 8192 tokens; each costs ``2.25 * rows * intermediate`` elements of backward scratch. The default
+budget fits 8192-token shards of the Llama-3-8B MLP and keeps its peak below the anchors'; smaller
+budgets trade speed for memory. Block widths are multiples of 64 elements (16-byte aligned bf16
+columns): misaligned column blocks send cuBLAS to kernels ~4x slower.
 """
 
 from __future__ import annotations
