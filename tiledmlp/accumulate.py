@@ -11,10 +11,10 @@ tokens). The representations, per trainable parameter (``grad_accum_dtype`` over
 accumulator                bytes/param  used for
 =========================  ===========  ===============================================================
 none                       2            one shard: its GEMM writes the gradient directly (beta = 0)
-block-scaled float16       2 (+1/512)   default for bf16 weights (2-D or more): float16 significands with one
-                                        power-of-two exponent per 1024 elements, re-chosen at every
-                                        add (``kernels/scaled_accum.py``); 8x finer than bf16, never
-                                        overflows, finalized in place into the bf16 gradient
+block-scaled float16       2 (+1/512)   default for bf16 weights (2-D or more): float16 significands
+                                        with one power-of-two exponent per 1024 elements, re-chosen
+                                        at every add (``kernels/scaled_accum.py``); 8x finer than
+                                        bf16, never overflows, finalized in place into the gradient
 float32                    4            default for biases (tiny), float16 parameters (a float16 sum
                                         would be no finer than the result) and float32 parameters;
                                         everything with ``grad_accum_dtype=torch.float32``

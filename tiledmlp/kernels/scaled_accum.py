@@ -10,9 +10,10 @@ parameter on top of the 2-byte gradient. This accumulator stores
 with ``acc`` float16 (an 11-bit significand: 8x finer than bfloat16's) and one int32 exponent per
 row block of ``BLOCK`` columns. Every update re-chooses a block's exponent so that its largest
 finite magnitude lies in [2**14, 2**15): float16 never overflows, the scale is a power of two (exact),
-and an element loses precision only below 2**-38 of its block's largest (float16 subnormals). The
-final gradient is written over the accumulator's own memory (same element size), so the accumulator
-*is* the gradient buffer: no memory beyond the gradient itself and ``rows * cols / BLOCK`` exponents.
+and an element loses relative precision only below about 2**-28 of its block's largest (float16
+subnormals), becoming zero below about 2**-38. The final gradient is written over the accumulator's
+own memory (same element size), so the accumulator *is* the gradient buffer: no memory beyond the
+gradient itself and ``rows * cols / BLOCK`` exponents.
 
 Public entry points: :func:`scaled_empty`, :func:`scaled_accumulate_`, :func:`scaled_finalize_`.
 Infinities and NaNs propagate to the result (a GradScaler still sees them).
