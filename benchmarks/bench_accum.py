@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 from pathlib import Path
 
 import torch
 
+from bench_mlp import cuda_median_ms
 from tiledmlp.accumulate import GradAccumulator
 
 
@@ -79,16 +79,9 @@ def run(rows: int, hidden: int, inter: int, shards: int, repeats: int) -> list[d
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         err = float((out.double() - ref).norm() / ref_norm)
         del out
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(a_list, b_list, (hidden, inter))
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = cuda_median_ms(lambda: fn(a_list, b_list, (hidden, inter)), repeats)
         rows_out.append({"option": name, "status": "ok", "rel_err": f"{err:.3e}",
-                         "ms_per_shard": f"{statistics.median(times) / shards:.3f}", "peak_mib": f"{peak:.0f}"})
+                         "ms_per_shard": f"{ms / shards:.3f}", "peak_mib": f"{peak:.0f}"})
     return rows_out
 
 

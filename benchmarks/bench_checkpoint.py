@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import tiledmlp
+from bench_mlp import cuda_median_ms
 
 
 def layer_fn(layer, rope):
@@ -32,21 +32,12 @@ def layer_fn(layer, rope):
 
 
 def time_and_peak(fn, x, g, reps: int) -> tuple[float, float]:
-    for _ in range(2):
-        fn(x).backward(g)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x).backward(g)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = cuda_median_ms(lambda: fn(x).backward(g), reps, warmup=2)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn(x).backward(g)
     torch.cuda.synchronize()
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def main() -> None:

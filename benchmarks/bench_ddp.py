@@ -23,7 +23,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import datetime  # noqa: E402
-import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -260,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"grad_ckpt={args.grad_ckpt}:")
         print_summary(rows)
         print(f"appended to {path}")
-    gc.collect()  # free the wrappers (reference cycles holding the group) before the group itself
+    release_memory()  # free the wrappers (reference cycles holding the group) before the group itself
     dist.barrier()
     dist.destroy_process_group()
 

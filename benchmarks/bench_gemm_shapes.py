@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 from pathlib import Path
 
 import torch
@@ -40,20 +39,6 @@ def gemms(rows: int, hidden: int, inter: int, device: torch.device):
     }
 
 
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="4096,5120,6144,7168,8192,10240,12288,16384,32768")
@@ -66,7 +51,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         line = []
         for name, (fn, flop) in gemms(rows, args.hidden, args.intermediate, device).items():
-            ms = time_ms(fn, args.reps)
+            ms = bm.cuda_median_ms(fn, args.reps, warmup=3)
             tflops = flop / ms / 1e9
             line.append(f"{name} {tflops:4.0f}")
             results.append({"rows": rows, "gemm": name, "ms": round(ms, 4), "tflops": round(tflops, 1),

@@ -380,6 +380,22 @@ def accuracy(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, ref: Refer
     return errors
 
 
+def cuda_median_ms(fn: Callable[[], Any], reps: int, warmup: int = 0) -> float:
+    """Median CUDA-event time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones; each run
+    is synchronized before the next starts."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def median_time_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, warmup: int, reps: int) -> float:
     """Median time of forward+backward over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
     timer = gpu_times_ms if x.device.type == "cuda" else cpu_times_ms

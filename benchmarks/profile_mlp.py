@@ -8,6 +8,7 @@ time beyond the extra gate/up recompute.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -15,6 +16,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import tiledmlp
+from bench_mlp import cuda_median_ms
 
 
 def build(hidden: int, inter: int, options: dict | None) -> torch.nn.Module:
@@ -28,18 +30,6 @@ def step(mlp, x, g) -> None:
     for p in mlp.parameters():
         p.grad = None
     mlp(x).backward(g)
-
-
-def wall_ms(mlp, x, g) -> float:
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(mlp, x, g)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[2]
 
 
 def main() -> None:
@@ -60,16 +50,22 @@ def main() -> None:
         for _ in range(3):
             step(mlp, x, g)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step(mlp, x, g)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
         total = sum(e.self_device_time_total for e in events)
+        wall = cuda_median_ms(functools.partial(step, mlp, x, g), reps=5)
         print(f"== {name} T={args.tokens} {opts or ''}: total CUDA {total / 1e3:.2f} ms, "
-              f"wall {wall_ms(mlp, x, g):.2f} ms (median of 5; the difference is time the GPU waited)")
+              f"wall {wall:.2f} ms (median of 5; the difference is time the GPU waited)")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
             print(f"  {e.self_device_time_total / 1e3:8.3f} ms  x{e.count:<4} {e.key[:110]}")
         if args.by_shape:
+            # A separate profiled step: with CPU ops recorded, kernel time would also be counted
+            # under the ops that launched them, doubling the total above.
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                step(mlp, x, g)
+                torch.cuda.synchronize()
             gemms = [e for e in prof.key_averages(group_by_input_shape=True)
                      if e.key in ("aten::mm", "aten::addmm", "aten::linear") and e.device_time_total > 0]
             for e in sorted(gemms, key=lambda e: -e.device_time_total)[: args.rows]:

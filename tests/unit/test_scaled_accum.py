@@ -189,16 +189,19 @@ def test_grad_accumulator_representations():
     assert GradAccumulator([w], [True], 2, torch.bfloat16)._dtypes == [torch.bfloat16]
 
 
-if INTERPRET and HAS_TRITON:
+#: where the Triton kernels run in this process: the interpreter's CPU, and a GPU if there is one
+TRITON_DEVICES = (["cpu"] if INTERPRET and HAS_TRITON else []) + (["cuda"] if torch.cuda.is_available() else [])
 
-    def test_triton_matches_torch_backend_bit_for_bit():
-        parts = _partials(6)
-        parts[2][3, 11] = float("inf")
-        parts[4][5, 2000] = float("nan")
-        triton_out, torch_out = (_accumulate(parts, backend) for backend in ("triton", "torch"))
-        nan = torch_out.isnan()
-        assert torch.equal(triton_out.isnan(), nan)  # NaN payloads may differ
-        assert torch.equal(triton_out[~nan].view(torch.int16), torch_out[~nan].view(torch.int16))
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_matches_torch_backend_bit_for_bit(device):
+    parts = [p.to(device) for p in _partials(6)]
+    parts[2][3, 11] = float("inf")
+    parts[4][5, 2000] = float("nan")
+    triton_out, torch_out = (_accumulate(parts, backend) for backend in ("triton", "torch"))
+    nan = torch_out.isnan()
+    assert torch.equal(triton_out.isnan(), nan)  # NaN payloads may differ
+    assert torch.equal(triton_out[~nan].view(torch.int16), torch_out[~nan].view(torch.int16))
 
 
 if HAS_TRITON and not INTERPRET:
