@@ -2,7 +2,7 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum]
+#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum|gemms]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -15,6 +15,7 @@ what=${1:-all}
 started=$(mktemp)  # results written after this are this run's
 run() { [[ $what == all || $what == "$1" ]]; }
 run accum && python3 benchmarks/bench_accum.py
+run gemms && python3 benchmarks/bench_gemm_shapes.py
 run checkpoint && python3 benchmarks/bench_checkpoint.py
 run tiles && python3 benchmarks/bench_tiles.py
 run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1048576 --reps 9 \

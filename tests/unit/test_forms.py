@@ -275,6 +275,7 @@ def test_glu_backward_computes_dh_in_column_blocks(monkeypatch, chunks, bias):
     """dh (and h) one column block at a time, the down projection's gradient block by block."""
     monkeypatch.setattr(sharding, "_DH_BLOCK_MIN", 8)
     monkeypatch.setattr(sharding, "_ALIGN", 1)  # these sizes are far below one aligned block
+    monkeypatch.setattr(sharding, "_DH_ALIGN", 1)
     assert len(sharding.dh_blocks(88 // chunks)) > 1
     tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
     tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
@@ -286,6 +287,7 @@ def test_fused_glu_dh_column_blocks(monkeypatch, shards):
     """One shard writes every gradient block directly (no accumulation); several accumulate."""
     monkeypatch.setattr(sharding, "_DH_BLOCK_MIN", 8)
     monkeypatch.setattr(sharding, "_ALIGN", 1)
+    monkeypatch.setattr(sharding, "_DH_ALIGN", 1)
     torch.manual_seed(0)
     tiled, ref = pair(Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=72, hidden_act="silu")))
     tiledmlp.enable_tiling(tiled, num_shards=shards)

@@ -17,7 +17,7 @@ def test_generic_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
 
 
 @pytest.mark.parametrize("tokens, inter, scratch_mib, tile", [
-    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 504 MiB of scratch <= 512
+    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 512 MiB of scratch
     (9000, 14336, None, (4500, 1)),  # two equal shards rather than 8192 + 808
     (4000, 14336, None, (4000, 1)),  # short sequences: one shard
     (131072, 28672, None, (4096, 1)),  # Llama-70B: 4096 tokens fit the budget
@@ -31,17 +31,19 @@ def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, s
 
 
 def test_glu_scratch_counts_gate_up_and_one_dh_block():
-    assert dh_blocks(14336) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
+    assert dh_blocks(14336) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 14336)]
     assert dh_blocks(3000) == [(0, 3000)]  # narrower blocks would lose more GEMM speed than they save
-    assert glu_scratch_per_token(14336, 2) == (2 * 14336 + 3584) * 2
-    assert glu_scratch_per_token(14336, 2, inter_chunks=2) == (2 * 7168 + 2432) * 2
+    assert glu_scratch_per_token(14336, 2) == (2 * 14336 + 4096) * 2
+    assert glu_scratch_per_token(14336, 2, inter_chunks=2) == (2 * 7168 + 3072) * 2
 
 
 def test_blocks_are_aligned_for_fast_gemms():
     """Every block but the last is a multiple of 64 wide (a 16-byte-misaligned bf16 column block
-    sends cuBLAS to kernels ~4x slower), so a block count may come out lower than asked."""
+    sends cuBLAS to kernels ~4x slower), dh blocks a multiple of 1024, so a block count may come out
+    lower than asked."""
     assert chunk_bounds(14336, 3) == [(0, 4800), (4800, 9600), (9600, 14336)]
-    assert dh_blocks(7168) == [(0, 2432), (2432, 4864), (4864, 7168)]
+    assert dh_blocks(7168) == [(0, 3072), (3072, 6144), (6144, 7168)]
+    assert dh_blocks(11008) == [(0, 3072), (3072, 6144), (6144, 9216), (9216, 11008)]
     assert chunk_bounds(88, 3) == [(0, 64), (64, 88)]
     assert chunk_bounds(5, 8) == [(0, 5)]
 
