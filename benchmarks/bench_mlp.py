@@ -380,11 +380,30 @@ def accuracy(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, ref: Refer
     return errors
 
 
-def cuda_median_ms(fn: Callable[[], Any], reps: int, warmup: int = 0) -> float:
-    """Median CUDA-event time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones; each run
-    is synchronized before the next starts."""
-    for _ in range(warmup):
+SETTLE_SECONDS = 1.0  # untimed work before timing, so the GPU is in its sustained (power-capped) state
+
+
+def settle(fn: Callable[[], Any], runs: int, seconds: float) -> None:
+    """Untimed ``fn()`` calls: at least ``runs``, and on a GPU more until ``seconds`` have passed.
+
+    A GPU at its power cap runs slower than a cold one (an H200 drops from its 1980 MHz boost clock
+    to about 1500 MHz within a second of dense GEMMs), so a provider timed first, on a cold GPU,
+    would look up to 15% faster than the ones after it. Settling times every provider in the
+    sustained state a training run is in.
+    """
+    begin, done = time.perf_counter(), 0
+    on_gpu = torch.cuda.is_available()
+    while done < runs or (on_gpu and time.perf_counter() - begin < seconds):
         fn()
+        done += 1
+        if on_gpu:
+            torch.cuda.synchronize()
+
+
+def cuda_median_ms(fn: Callable[[], Any], reps: int, warmup: int = 0, settle_seconds: float = SETTLE_SECONDS) -> float:
+    """Median CUDA-event time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones (and
+    ``settle_seconds`` of them, see :func:`settle`); each run is synchronized before the next starts."""
+    settle(fn, warmup, settle_seconds)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -396,12 +415,17 @@ def cuda_median_ms(fn: Callable[[], Any], reps: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
-def median_time_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, warmup: int, reps: int) -> float:
-    """Median time of forward+backward over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
+def median_time_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, warmup: int, reps: int,
+                   settle_seconds: float = SETTLE_SECONDS) -> float:
+    """Median time of forward+backward over ``reps`` runs after ``warmup`` runs and at least
+    ``settle_seconds`` of untimed work on a GPU (CUDA events on a GPU)."""
     timer = gpu_times_ms if x.device.type == "cuda" else cpu_times_ms
-    for _ in range(warmup):
+
+    def run() -> None:
         clear_grads(runner.module, x)
         runner.forward(x).backward(grad_out)
+
+    settle(run, warmup, settle_seconds if x.device.type == "cuda" else 0.0)
     times = timer(runner, x, grad_out, reps)
     clear_grads(runner.module, x)
     return statistics.median(times)
@@ -454,7 +478,7 @@ def measure(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Te
     with torch.device(x.device):
         runner = build_runner(name, shape, state, x.dtype, args.tiledmlp_options)
     result: dict[str, Any] = accuracy(runner, x, grad_out, ref) if ref is not None else {}
-    result["time_ms"] = median_time_ms(runner, x, grad_out, args.warmup, args.reps)
+    result["time_ms"] = median_time_ms(runner, x, grad_out, args.warmup, args.reps, args.settle_seconds)
     result["peak_mib"] = peak_memory_mib(runner, x, grad_out)
     return result
 
@@ -595,6 +619,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="extra enable_tiling keyword arguments, key=val,...")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (after the accuracy run)")
     parser.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported")
+    parser.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
+                        help="untimed work per provider before timing, so the GPU is at its sustained clocks")
     parser.add_argument("--ref-chunk", type=int, default=None, help="tokens per float64 reference chunk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")

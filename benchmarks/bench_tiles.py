@@ -56,7 +56,7 @@ def main() -> None:
     dtype = torch.bfloat16
     shape = bm.Shape(args.hidden, args.intermediate, "silu")
     state = bm.master_state_dict(shape, device, dtype, 0)
-    run_args = argparse.Namespace(warmup=2, reps=args.reps, tiledmlp_options={})
+    run_args = argparse.Namespace(warmup=2, reps=args.reps, settle_seconds=bm.SETTLE_SECONDS, tiledmlp_options={})
     rows = []
     for tokens in (int(t) for t in args.seq_lens.split(",")):
         gen = torch.Generator(device=device).manual_seed(tokens)

@@ -16,7 +16,7 @@ generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 =====================  ==================================================================================
 
 Larger shards are faster (fewer passes over the gradient accumulators, longer GEMM reductions) up to
-about 8192 tokens; each costs ``2.25 * rows * intermediate`` elements of backward scratch. The default
+about 8192 tokens; each costs about ``2.3 * rows * intermediate`` elements of backward scratch. The default
 budget fits 8192-token shards of the Llama-3-8B MLP and keeps its peak below the anchors'; smaller
 budgets trade speed for memory. Block widths are multiples of 64 elements (16-byte aligned bf16
 columns): misaligned column blocks send cuBLAS to kernels ~4x slower.
@@ -42,7 +42,7 @@ _DH_BLOCK_MIN = 2048  # ...each at least this wide (narrower GEMMs lose more tha
 _ALIGN = 64  # block widths in elements: GEMMs on 16-byte-misaligned column blocks fall back to kernels ~4x slower
 # dh blocks are multiples of 1024 columns: for the Llama-3-8B MLP, blocks of 4096/4096/4096/2048 make
 # cuBLAS (H200, torch 2.11) pick a faster kernel for the down projection's weight gradient than four
-# blocks of 3584 do: a 128K-token step 1.5% faster, measured side by side (docs/sharding.md).
+# blocks of 3584 do: a 128K-token step 1.5% faster, measured side by side (docs/benchmarks.md).
 _DH_ALIGN = 1024
 
 
