@@ -63,17 +63,17 @@ def dwd_in_blocks(g: torch.Tensor, blocks: list[tuple[int, int]]):
 
 def sustained_ms(fn, seconds: float) -> float:
     """Mean CUDA time of ``fn()`` run back to back for ``seconds``, after 0.3 s of warm-up."""
-    for duration in (0.3, seconds):
-        calls, begin = 0, time.perf_counter()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        while time.perf_counter() - begin < duration:
-            for _ in range(4):
-                fn()
-            calls += 4
-            torch.cuda.synchronize()
-        end.record()
+    bm.settle(fn, 1, 0.3)
+    calls, begin = 0, time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while time.perf_counter() - begin < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
         torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
     return start.elapsed_time(end) / calls
 
 

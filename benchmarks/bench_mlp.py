@@ -384,7 +384,7 @@ SETTLE_SECONDS = 1.0  # untimed work before timing, so the GPU is in its sustain
 
 
 def settle(fn: Callable[[], Any], runs: int, seconds: float) -> None:
-    """Untimed ``fn()`` calls: at least ``runs``, and on a GPU more until ``seconds`` have passed.
+    """Untimed ``fn()`` calls: at least ``runs``, and more until ``seconds`` have passed.
 
     A GPU at its power cap runs slower than a cold one (an H200 drops from its 1980 MHz boost clock
     to about 1500 MHz within a second of dense GEMMs), so a provider timed first, on a cold GPU,
@@ -392,11 +392,10 @@ def settle(fn: Callable[[], Any], runs: int, seconds: float) -> None:
     sustained state a training run is in.
     """
     begin, done = time.perf_counter(), 0
-    on_gpu = torch.cuda.is_available()
-    while done < runs or (on_gpu and time.perf_counter() - begin < seconds):
+    while done < runs or time.perf_counter() - begin < seconds:
         fn()
         done += 1
-        if on_gpu:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
 
 

@@ -24,13 +24,7 @@ import bench_mlp as bm
 
 
 def one_step_ms(runner: bm.Runner, x: torch.Tensor, grad_out: torch.Tensor) -> float:
-    bm.clear_grads(runner.module, x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    runner.forward(x).backward(grad_out)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return bm.gpu_times_ms(runner, x, grad_out, reps=1)[0]
 
 
 def paired_times(runners: dict[str, bm.Runner], x: torch.Tensor, grad_out: torch.Tensor,
