@@ -130,7 +130,9 @@ class ModuleForm:
     def _swapped(self, tensors: Sequence[torch.Tensor]):
         return swapped(self.slots, [tensors[i] for i in self.slot_index])
 
-    def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
+                      out: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[Optional[torch.Tensor], ...]:
+        # ``out`` is ignored: the module allocates its own outputs.
         with self._swapped(params):
             return self._call(x)
 
@@ -248,7 +250,7 @@ class GLUForm:
         return (gate_w[sl], None if gate_b is None else gate_b[sl],
                 up_w[up_sl], None if up_b is None else up_b[up_sl], up_offset)
 
-    def forward_shard(self, x, params):
+    def forward_shard(self, x, params, out=None):
         lay = self.layout
         if lay.fused:
             gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
@@ -259,7 +261,16 @@ class GLUForm:
             gate = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
             up = F.linear(x, params[lay.up_w], _get(params, lay.up_b))
             h = glu_forward(gate, up, self.activation, out=gate)  # h overwrites the gate buffer
-        return (F.linear(h, params[lay.down_w], _get(params, lay.down_b)),)
+        w_down, b_down = params[lay.down_w], _get(params, lay.down_b)
+        dest = None if out is None else out[0]
+        if dest is None or dest.dtype != h.dtype:
+            return (F.linear(h, w_down, b_down),)
+        # Straight into the output rows: no [rows, hidden] temporary and no copy (F.linear's GEMM, with
+        # the casts autocast would make).
+        w_t = w_down.to(h.dtype).t()
+        if b_down is None:
+            return (torch.mm(h, w_t, out=dest),)
+        return (torch.addmm(b_down.to(h.dtype), h, w_t, out=dest),)
 
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator) -> None:
         (g,) = grad_outputs

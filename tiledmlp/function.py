@@ -81,8 +81,14 @@ class Form(Protocol):
     #: whether the module returns a tuple (else its single output is returned alone)
     returned_tuple: bool
 
-    def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        """Outputs for token rows ``x`` (``[rows, hidden]``), each token-leading (``[rows, ...]``) or None."""
+    def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
+                      out: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[Optional[torch.Tensor], ...]:
+        """Outputs for token rows ``x`` (``[rows, hidden]``), each token-leading (``[rows, ...]``) or None.
+
+        ``out`` (from the second shard on) holds each output's destination rows in the tiled call's
+        output buffers; a form may compute an output straight into its destination and return that
+        very tensor, which saves the copy (forms are free to ignore ``out``).
+        """
 
     def backward_shard(
         self,
@@ -159,16 +165,19 @@ def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
     rows_view: list[Optional[torch.Tensor]] = []  # each buffer seen as [tokens, ...]
     rows = x.shape[0]
     for idx, (start, stop) in enumerate(_shard_bounds(rows, call.shard_rows)):
+        # The first shard's outputs size the buffers; later shards may be computed straight into them.
+        dests = None if idx == 0 else tuple(None if v is None else v[start:stop] for v in rows_view)
         with record_function("tiledmlp::forward_shard"), _shard_scope():
-            outs = call.form.forward_shard(x[start:stop], params)
+            outs = call.form.forward_shard(x[start:stop], params, dests)
         if idx == 0:
             for o, leading in zip(outs, call.form.leading_outputs):
                 buf = None if o is None else o.new_empty((*(call.lead_shape if leading else (rows,)), *o.shape[1:]))
                 buffers.append(buf)
                 rows_view.append(None if buf is None else buf.view(rows, *o.shape[1:]))
-        for view, o in zip(rows_view, outs):
-            if view is not None:
-                view[start:stop].copy_(o)
+            dests = tuple(None if v is None else v[start:stop] for v in rows_view)
+        for dest, o in zip(dests, outs):
+            if dest is not None and o is not dest:
+                dest.copy_(o)
     return tuple(buffers)
 
 

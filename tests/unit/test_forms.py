@@ -14,6 +14,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 import tiledmlp
 from tiledmlp import sharding
 from tiledmlp.accumulate import GradAccumulator
+from tiledmlp.forms import GLUForm, GLULayout
 from tiledmlp.patching import STATE_ATTR
 from unit_helpers import assert_close_rel, assert_grads_match, leaf_like, llama_mlp, pair
 
@@ -55,6 +56,25 @@ def test_fused_gate_up_fast_form(act):
     tiledmlp.enable_tiling(tiled, num_shards=4)
     assert kind_of(tiled) == "glu"
     check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_forward_computes_into_the_output_rows(bias):
+    """Given its destination rows, the GLU form's down projection writes there (no temporary, no
+    copy) and returns that tensor, bit-identical to the allocating path; a destination of another
+    dtype is left alone."""
+    mlp = llama_mlp(bias=bias)
+    params = [p for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj) for p in (m.weight, m.bias) if p is not None]
+    layout = GLULayout(*(range(6) if bias else (0, None, 1, None, 2, None)))
+    form = GLUForm("silu", layout)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        (ref,) = form.forward_shard(x, params)
+        dest = torch.full_like(ref, float("nan"))
+        (got,) = form.forward_shard(x, params, (dest,))
+        (other,) = form.forward_shard(x, params, (torch.empty(ref.shape, dtype=torch.float64),))
+    assert got is dest and torch.equal(got, ref)
+    assert other.dtype == ref.dtype and torch.equal(other, ref)
 
 
 class _GemmFlops(TorchDispatchMode):
