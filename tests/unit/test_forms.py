@@ -77,6 +77,32 @@ def test_glu_forward_computes_into_the_output_rows(bias):
     assert other.dtype == ref.dtype and torch.equal(other, ref)
 
 
+class _Copies(TorchDispatchMode):
+    """Records the shape of every ``copy_`` destination."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "copy_":
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_tiled_glu_forward_copies_only_the_first_shard():
+    """The tiled forward hands every later shard its output rows, and the GLU form computes into
+    them: of three shards' outputs only the first is copied; the result matches the untiled MLP."""
+    tiled, ref = pair(llama_mlp())
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    x = torch.randn(1, 30, 32)
+    with torch.no_grad(), _Copies() as copies:
+        y = tiled(x)
+    assert copies.shapes.count((10, 32)) == 1, copies.shapes
+    with torch.no_grad():
+        assert_close_rel(y, ref(x), TOL, "output")
+
+
 class _GemmFlops(TorchDispatchMode):
     """Counts 2·m·n·k for every matrix product dispatched, in-place and out= variants included
     (FlopCounterMode skips ``addmm_`` and ``mm.out``)."""
