@@ -19,7 +19,7 @@ from tiledmlp import sharding
 
 DEFAULT_DH_SPLIT = sharding.DH_SPLIT
 
-DEFAULT_TILES = "auto,mib=256,mib=384,mib=768,4096:1,8192:1/dh1,8192:2,16384:1,8192:1/fp32"
+DEFAULT_TILES = "auto,mib=256,mib=384,mib=768,8192:1,16384:1,16384:2,32768:4,16384:2/fp32"
 
 
 def tile_options(tile: str) -> dict:

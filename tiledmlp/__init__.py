@@ -48,13 +48,14 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
             ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``; a forced strategy must match the wrapping.
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
-            for the fast GLU form the fastest shard (up to 8192 tokens) whose backward scratch fits
-            ``scratch_mib``; for the generic form ``ceil(tokens / hidden)`` shards.
+            for the fast GLU form the fewest shards (up to 16384 tokens each, in one or two blocks of
+            the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
+            form ``ceil(tokens / hidden)`` shards.
         tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
         inter_chunks: blocks of the intermediate dimension per shard in the fast GLU backward
             (scratch shrinks by that factor); None: automatic.
-        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 512: 8192-token
-            shards of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
+        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 512: 16384-token
+            shards in two blocks of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
         form: ``"auto"`` (fast GLU form where recognized and verified) or ``"generic"`` (always the
             module's own forward).
         grad_accum_dtype: how shard gradients are summed (``tiledmlp.accumulate``). ``None``: bf16

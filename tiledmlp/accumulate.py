@@ -41,11 +41,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels.scaled_accum import scaled_accumulate_, scaled_empty, scaled_finalize_
+from .kernels.scaled_accum import BLOCK, scaled_accumulate_, scaled_empty, scaled_finalize_
 
 __all__ = ["GradAccumulator", "PARTIAL_MIB", "addmm_", "mm_into", "sum_dtype"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_Key = tuple[int, Optional[int], Optional[int], Optional[int], Optional[int]]  # (parameter, rows, cols)
 PARTIAL_MIB = 64  # the largest partial-gradient buffer of a block-scaled accumulator
 
 
@@ -80,102 +81,126 @@ class GradAccumulator:
     """Sums per-shard parameter gradients, once per parameter per backward (see the design note).
 
     Accumulators are allocated at a parameter's first contribution (a parameter no shard used keeps
-    ``None``), may be updated block by block (``rows``), and may be kept transposed so that a column
-    block of the parameter is a contiguous row block of the accumulator. Memory: one accumulator per
-    trainable parameter (2 bytes per element by default) and, for block-scaled ones, one partial
-    buffer of at most ``PARTIAL_MIB`` MiB, during this module's backward only.
+    ``None``) and may be updated block by block: a leading-dim block (``rows``) or a column block
+    (``cols``, declared first with :meth:`plan_columns`). Memory: one accumulator per trainable
+    parameter (2 bytes per element by default) and, while a block-scaled one adds a GEMM's result, a
+    partial buffer of at most ``PARTIAL_MIB`` MiB, during this module's backward only.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], needs: Sequence[bool], num_shards: int,
                  accum_dtype: Optional[torch.dtype]) -> None:
         self._params = params
         self.needs = tuple(needs)
+        self._num_shards = num_shards
         self._sums: list[Optional[torch.Tensor]] = [None] * len(params)
         self._exps: list[Optional[torch.Tensor]] = [None] * len(params)  # block-scaled only
-        self._transposed = [False] * len(params)
-        self._written: set[tuple[int, Optional[int], Optional[int]]] = set()
+        self._adds: dict[_Key, int] = {}  # contributions so far, per (parameter, rows, cols) block
+        self._final: set[_Key] = set()  # block-scaled blocks already rounded to the result by their last add
         self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() >= 2
                         for p in params]
         self._dtypes = [accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype) for p in params]
-        self._partial: Optional[torch.Tensor] = None
 
-    def _block(self, i: int, rows: slice, transposed: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
-        """The accumulator block ``rows`` of parameter ``i``, its exponents (block-scaled only), and
-        whether this is its first write.
+    def plan_columns(self, i: int, bounds: Sequence[tuple[int, int]]) -> None:
+        """Declare the column blocks ``[start, stop)`` in which parameter ``i``'s gradient will be
+        added (before its first add). A block-scaled accumulator shares one exponent per ``BLOCK``
+        columns, so blocks that split an exponent block make this parameter sum in float32 instead
+        (4 bytes per element; only odd shapes: with the default one intermediate block the form's
+        column blocks are multiples of ``BLOCK``)."""
+        cols = self._params[i].shape[-1]
+        if self._sums[i] is None and self._scaled[i] and any(
+                start % BLOCK or (stop % BLOCK and stop != cols) for start, stop in bounds):
+            self._scaled[i] = False
+            self._dtypes[i] = torch.float32
+
+    def _region(self, key: _Key) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The accumulator block of ``key`` and its exponents (block-scaled only)."""
+        i, rows, cols = key[0], slice(key[1], key[2]), slice(key[3], key[4])
+        acc, exps = self._sums[i][rows], self._exps[i]
+        if cols == slice(None):
+            return acc, None if exps is None else exps[rows]
+        if exps is None:
+            return acc[:, cols], None
+        if cols.start % BLOCK or (cols.stop % BLOCK and cols.stop != acc.shape[1]):
+            raise ValueError(f"a column block of a block-scaled accumulator must start and end on multiples of "
+                             f"{BLOCK} columns (its exponent blocks), got {cols.start}:{cols.stop}; declare the "
+                             "blocks with plan_columns first, which sums misaligned ones in float32")
+        return acc[:, cols], exps[rows, cols.start // BLOCK:-(-cols.stop // BLOCK)]
+
+    def _block(self, i: int, rows: slice, cols: slice) -> tuple[torch.Tensor, Optional[torch.Tensor], bool, bool]:
+        """The accumulator block ``[rows, cols]`` of parameter ``i``, its exponents (block-scaled only),
+        and whether this is the block's first and whether its last contribution (one per shard).
 
         Buffers are uninitialized and a block's first contribution overwrites it (a GEMM with beta=0,
         ~10% faster than accumulating into zeros, and no fill): forms write every block they use in
         their first shard, so no block is read before it is written.
         """
-        key = (i, rows.start, rows.stop)
-        first = key not in self._written
-        self._written.add(key)
+        key = (i, rows.start, rows.stop, cols.start, cols.stop)
+        adds = self._adds[key] = self._adds.get(key, 0) + 1
         if self._sums[i] is None:
             p = self._params[i]
-            shape = tuple(reversed(p.shape)) if transposed else tuple(p.shape)
             if self._scaled[i]:  # kept 2-D: [all leading dims, last dim] (3-D MoE expert weights too)
-                if len(shape) > 2 and rows != slice(None):
-                    raise NotImplementedError("row blocks of a block-scaled accumulator need a 2-D parameter")
-                self._sums[i], self._exps[i] = scaled_empty(math.prod(shape[:-1]), shape[-1], device=p.device)
+                if p.dim() > 2 and (rows != slice(None) or cols != slice(None)):
+                    raise NotImplementedError("blocks of a block-scaled accumulator need a 2-D parameter")
+                self._sums[i], self._exps[i] = scaled_empty(math.prod(p.shape[:-1]), p.shape[-1], device=p.device)
             else:
-                self._sums[i] = torch.empty(shape, dtype=self._dtypes[i], device=p.device)
-            self._transposed[i] = transposed
-        exps = self._exps[i]
-        return self._sums[i][rows], None if exps is None else exps[rows], first
+                self._sums[i] = torch.empty(p.shape, dtype=self._dtypes[i], device=p.device)
+        last = adds == self._num_shards
+        if last and self._exps[i] is not None:
+            self._final.add(key)
+        return (*self._region(key), adds == 1, last)
 
     def add(self, i: int, grad: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
         """Add a shard's gradient ``grad`` for parameter ``i`` (or for its leading-dim block ``rows``)."""
         if grad is None:
             return
-        block, exps, first = self._block(i, rows, False)
+        block, exps, first, last = self._block(i, rows, slice(None))
         if exps is not None:
-            scaled_accumulate_(block, exps, grad.reshape(block.shape).contiguous(), first)
+            scaled_accumulate_(block, exps, grad.reshape(block.shape).contiguous(), first, last=last)
         elif first:
             block.copy_(grad)
         else:
             block.add_(grad)
 
     def addmm(self, i: int, a: torch.Tensor, b: torch.Tensor, rows: slice = slice(None),
-              transposed: bool = False) -> None:
-        """``grad_i[rows] += a @ b`` (of ``grad_i.T`` when ``transposed``), in place."""
-        block, exps, first = self._block(i, rows, transposed)
+              cols: slice = slice(None)) -> None:
+        """``grad_i[rows, cols] += a @ b`` in place (a column block of a block-scaled accumulator
+        starts and ends on its exponent blocks: multiples of ``BLOCK`` columns, or the last column)."""
+        block, exps, first, last = self._block(i, rows, cols)
         if exps is None:
             (mm_into if first else addmm_)(block, a, b)
             return
-        # Block-scaled: the GEMM writes the partial into the reusable buffer, in equal row chunks
-        # that fit it, and the kernel adds each chunk.
+        # Block-scaled: the GEMM writes the partial into a buffer of at most PARTIAL_MIB, in equal row
+        # chunks that fit it, and the kernel adds each chunk.
         n_rows, n_cols = block.shape
         dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float32
         limit = max(1, int(PARTIAL_MIB * 2**20) // (n_cols * dtype.itemsize))
         chunks = -(-n_rows // limit)
         chunk = -(-n_rows // chunks)
-        partial = self._partial_buffer(chunk * n_cols, dtype, block.device)
+        # Allocated per call, not kept between calls: the next call may be a different size (a
+        # down-projection block, then a whole gate weight), and a kept buffer would stay as large as
+        # the largest during every other phase of the backward. The caching allocator hands the same
+        # blocks back every shard.
+        partial = torch.empty(chunk * n_cols, dtype=dtype, device=block.device)
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             out = partial[:(stop - start) * n_cols].view(stop - start, n_cols)
             mm_into(out, a[start:stop], b)
-            scaled_accumulate_(block[start:stop], exps[start:stop], out, first)
-
-    def _partial_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._partial
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            self._partial = None  # free the old one before allocating
-            buf = self._partial = torch.empty(numel, dtype=dtype, device=device)
-        return buf
+            scaled_accumulate_(block[start:stop], exps[start:stop], out, first, last=last)
 
     def results(self) -> list[Optional[torch.Tensor]]:
         """Gradients in the parameters' dtypes and layouts; each accumulator is released as soon as it
         is converted, so the conversion peak is one parameter, not all of them."""
-        self._partial = None
         out: list[Optional[torch.Tensor]] = []
         for i, (p, need) in enumerate(zip(self._params, self.needs)):
             acc, exps = self._sums[i], self._exps[i]
+            if need and exps is not None:
+                # In place: the accumulator becomes the gradient. Blocks that got one contribution per
+                # shard were rounded by their last add; the rest (a MoE expert's weights that some
+                # shard routed no token to) are rounded here.
+                for key in self._adds:
+                    if key[0] == i and key not in self._final:
+                        scaled_finalize_(*self._region(key), p.dtype)
+                acc = acc.view(p.dtype)
             self._sums[i] = self._exps[i] = None
-            if not need or acc is None:
-                out.append(None)
-                continue
-            if exps is not None:
-                acc = scaled_finalize_(acc, exps, p.dtype)  # in place: the accumulator becomes the gradient
-            acc = acc.t() if self._transposed[i] else acc.view(p.shape)
-            out.append(acc.to(p.dtype, memory_format=torch.contiguous_format))
+            out.append(acc.view(p.shape).to(p.dtype) if need and acc is not None else None)
         return out

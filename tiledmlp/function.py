@@ -108,6 +108,8 @@ class TileCall:
     ``lead_shape`` is the input's shape without its last dim: outputs whose leading dims are the
     tokens' (``form.leading_outputs``) are returned in that shape, the others as ``[tokens, ...]``.
     ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard).
+    ``forward_rows`` (default ``shard_rows``) cuts the forward differently from the backward; only a
+    deterministic form may use it (a stochastic form's backward replays the forward's shards).
     """
 
     form: Form
@@ -115,6 +117,11 @@ class TileCall:
     lead_shape: tuple[int, ...]
     around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     grad_accum_dtype: Optional[torch.dtype] = None
+    forward_rows: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.forward_rows not in (None, self.shard_rows) and self.form.stochastic:
+            raise ValueError("a stochastic form must cut its forward like its backward: leave forward_rows None")
 
 
 def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:
@@ -164,7 +171,7 @@ def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
     buffers: list[Optional[torch.Tensor]] = []
     rows_view: list[Optional[torch.Tensor]] = []  # each buffer seen as [tokens, ...]
     rows = x.shape[0]
-    for idx, (start, stop) in enumerate(_shard_bounds(rows, call.shard_rows)):
+    for idx, (start, stop) in enumerate(_shard_bounds(rows, call.forward_rows or call.shard_rows)):
         # The first shard's outputs size the buffers; later shards may be computed straight into them.
         dests = None if idx == 0 else tuple(None if v is None else v[start:stop] for v in rows_view)
         with record_function("tiledmlp::forward_shard"), _shard_scope():

@@ -82,14 +82,17 @@ class TiledCallSpec:
                 activation, lay = self.glu
                 lay = _remap(lay, index)
                 w_down = tensors[lay.down_w]
-                shard_rows, chunks = self.policy.glu_tile(tokens, w_down.shape[-1], _compute_itemsize(x, w_down))
+                itemsize = _compute_itemsize(x, w_down)
+                shard_rows, chunks = self.policy.glu_tile(tokens, w_down.shape[-1], itemsize)
+                forward_rows = self.policy.glu_forward_rows(w_down.shape[-1], itemsize, shard_rows)
                 form: Any = GLUForm(activation, lay, chunks)
             else:
-                shard_rows = self.policy.shard_rows(tokens, hidden)
+                shard_rows = forward_rows = self.policy.shard_rows(tokens, hidden)
                 form = ModuleForm(forward, self.slots, index, x.dim())
             call = TileCall(
                 form=form,
                 shard_rows=shard_rows,
+                forward_rows=forward_rows,
                 lead_shape=tuple(x.shape[:-1]),
                 around_backward=strategy.backward_context(tensors),
                 grad_accum_dtype=self.grad_accum_dtype,

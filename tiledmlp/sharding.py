@@ -6,19 +6,24 @@ Auto policy (``tiledmlp.enable_tiling`` defaults), measured on an H200 for the L
 =====================  ==================================================================================
 form                   shard size
 =====================  ==================================================================================
-fast GLU form          the largest shard up to 8192 tokens whose backward scratch
-                       (``glu_scratch_per_token``: gate and up rows plus one ``dh`` column block)
-                       fits ``scratch_mib`` (default 512 MiB), one intermediate block; below 1024
-                       tokens the intermediate dimension is split instead. Shards are made equal-sized.
+fast GLU form          backward: for one and for two intermediate blocks, the largest shard up to
+                       16384 tokens whose backward scratch (``glu_scratch_per_token``: gate and up
+                       rows of a block plus one ``dh`` column block) fits ``scratch_mib`` (default
+                       512 MiB); of the two, the one needing fewer shards (then one block). Below
+                       1024 tokens the intermediate dimension is split further instead. Shards are
+                       made equal-sized. Forward: equal parts of a backward shard whose gate and up
+                       rows fit the same budget.
 generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 ``num_shards=N``       ``ceil(tokens / N)`` tokens
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
 =====================  ==================================================================================
 
-Larger shards are faster (fewer passes over the gradient accumulators, longer GEMM reductions) up to
-about 8192 tokens; each costs about ``2.3 * rows * intermediate`` elements of backward scratch. The default
-budget fits 8192-token shards of the Llama-3-8B MLP and keeps its peak below the anchors'; smaller
-budgets trade speed for memory. Block widths are multiples of 64 elements (16-byte aligned bf16
+Fewer shards are faster: each is a pass over the weight-gradient accumulators. A shard costs about
+``2.3 * rows * intermediate`` elements of backward scratch with one intermediate block and half that
+with two, so within one budget two blocks allow shards twice as long; the second block costs narrower
+GEMMs and two more input-gradient adds, which measured less than the accumulator pass they save. The
+default budget fits 16384-token shards in two blocks (or 8192 in one) of the Llama-3-8B MLP and keeps
+its peak below the anchors'; smaller budgets trade speed for memory. Block widths are multiples of 64 elements (16-byte aligned bf16
 columns): misaligned column blocks send cuBLAS to kernels ~4x slower.
 """
 
@@ -29,14 +34,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "glu_scratch_per_token",
-           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "DH_SPLIT"]
+           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT"]
 
 DEFAULT_SCRATCH_MIB = 512
-MAX_AUTO_TILE = 8192  # beyond this, measured no faster (H200, Llama-3-8B MLP)
+MAX_AUTO_TILE = 16384  # tokens per backward shard; beyond this, measured no faster (H200, Llama-3-8B MLP)
+MAX_AUTO_INTER_CHUNKS = 2  # more intermediate blocks measured slower (narrower GEMMs, more input-gradient adds)
 _MIN_TILE = 1024  # below this, split the intermediate dimension rather than the tokens
 _QUANTUM = 1024
 DH_SPLIT = 4  # the GLU backward computes dh in this many column blocks of the intermediate dimension...
-_DH_BLOCK_MIN = 2048  # ...each at least this wide (narrower GEMMs lose more than the scratch is worth)
+_DH_BLOCK_MIN = 1024  # ...each at least this wide (narrower GEMMs lose more than the scratch is worth)
 
 
 _ALIGN = 64  # block widths in elements: GEMMs on 16-byte-misaligned column blocks fall back to kernels ~4x slower
@@ -91,6 +97,11 @@ def _check_positive(name: str, value, kind: type = int) -> None:
         raise ValueError(f"{name} must be >= 1 (or None for the automatic policy), got {value}")
 
 
+def _fitting_rows(budget: float, bytes_per_token: int) -> int:
+    """The most tokens (a multiple of ``_QUANTUM``, at most ``MAX_AUTO_TILE``) whose scratch fits ``budget``."""
+    return min(MAX_AUTO_TILE, int(budget // bytes_per_token) // _QUANTUM * _QUANTUM)
+
+
 def _equalize(tokens: int, rows: int) -> int:
     """Same shard count, equal shards: ``ceil(tokens / ceil(tokens / rows))``."""
     return math.ceil(tokens / math.ceil(tokens / rows))
@@ -129,16 +140,33 @@ class ShardPolicy:
         return fixed if fixed is not None else math.ceil(tokens / auto_num_shards(tokens, hidden))
 
     def glu_tile(self, tokens: int, inter: int, itemsize: int) -> tuple[int, int]:
-        """``(tokens per shard, intermediate blocks)`` for the fast GLU form."""
+        """``(tokens per backward shard, intermediate blocks)`` for the fast GLU form.
+
+        Automatic choice: for each block count up to ``MAX_AUTO_INTER_CHUNKS`` (or the one given), the
+        largest shard whose scratch fits the budget; of these, the one with the fewest shards (each
+        shard is a pass over the weight-gradient accumulators), then the fewest blocks.
+        """
         tokens = max(tokens, 1)
         budget = (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
-        rows = self._fixed_rows(tokens)
+        rows, chunks = self._fixed_rows(tokens), self.inter_chunks
         if rows is None:
-            fits = int(budget // glu_scratch_per_token(inter, itemsize)) // _QUANTUM * _QUANTUM
-            rows = _equalize(tokens, max(_MIN_TILE, min(MAX_AUTO_TILE, fits)))
-        chunks = self.inter_chunks
+            counts = [chunks] if chunks is not None else range(1, MAX_AUTO_INTER_CHUNKS + 1)
+            fits = {c: _fitting_rows(budget, glu_scratch_per_token(inter, itemsize, c)) for c in counts}
+            fits = {c: r for c, r in fits.items() if r >= _MIN_TILE}
+            if fits:
+                best = min(fits, key=lambda c: (math.ceil(tokens / fits[c]), c))
+                return _equalize(tokens, fits[best]), best
+            rows = min(_MIN_TILE, tokens)  # even the smallest shard is over budget: split the intermediate more
         if chunks is None:
             chunks = 1
             while chunks < inter and rows * glu_scratch_per_token(inter, itemsize, chunks) > budget:
                 chunks += 1
         return rows, chunks
+
+    def glu_forward_rows(self, inter: int, itemsize: int, backward_rows: int) -> int:
+        """Tokens per forward shard of the fast GLU form: the backward's ``backward_rows``, or fewer
+        when the forward's own scratch (``gate`` and ``up`` rows, ``2 * inter`` elements per token, which
+        intermediate blocks do not split) would exceed the budget."""
+        budget = (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+        fits = max(1, int(budget // (2 * inter * itemsize)))
+        return math.ceil(backward_rows / math.ceil(backward_rows / fits))  # equal parts of a backward shard

@@ -23,12 +23,18 @@ def _run(module, x, g, dtype):
     return [y.detach(), xx.grad] + [p.grad for p in module.parameters()]
 
 
-@pytest.mark.parametrize("form", ["auto", "generic"])
-def test_bf16_error_against_float64_on_gpu(form):
-    base = llama_mlp(H, I).cuda()
+@pytest.mark.parametrize("form, inter, options", [
+    ("auto", I, {}),
+    ("auto", 4096, {"inter_chunks": 2}),  # 2048-column blocks: the block-scaled down-projection sum
+    ("auto", 4096, {"inter_chunks": 2, "grad_accum_dtype": torch.float32}),
+    ("auto", I, {"inter_chunks": 2}),  # 1408-column blocks: the down projection sums in float32
+    ("generic", I, {}),
+])
+def test_bf16_error_against_float64_on_gpu(form, inter, options):
+    base = llama_mlp(H, inter).cuda()
     ref = copy.deepcopy(base).double()
     untiled = copy.deepcopy(base).bfloat16()
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), tile_tokens=1024, form=form)
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), tile_tokens=1024, form=form, **options)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, T, H, device="cuda", generator=gen)
     g = torch.randn(1, T, H, device="cuda", generator=gen)

@@ -126,6 +126,19 @@ def _flops(module, x) -> int:
     return counter.total
 
 
+def test_glu_forward_cuts_its_own_shards_within_the_budget(monkeypatch):
+    """The forward keeps gate and up of a whole intermediate, so it may cut a backward shard into
+    equal parts (a tiny budget here: 256-token backward shards, forward shards of 64 tokens)."""
+    calls = []
+    real = GLUForm.forward_shard
+    monkeypatch.setattr(GLUForm, "forward_shard", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    tiled, ref = pair(llama_mlp(intermediate=2048))
+    tiledmlp.enable_tiling(tiled, tile_tokens=256, scratch_mib=1)  # 1 MiB: 64 tokens of float32 gate and up
+    calls.clear()  # enable_tiling's own probe
+    check_against_untiled(tiled, ref, torch.randn(1, 500, 32))
+    assert calls == [64] * 7 + [52]
+
+
 def test_glu_backward_recomputes_gate_and_up_only():
     """FLOP per token: untiled 18·H·I; GLU form 22·H·I (only gate and up recomputed); generic 24·H·I."""
     hidden, inter, tokens = 32, 96, 60

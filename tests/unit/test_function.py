@@ -245,3 +245,13 @@ def test_autocast_recompute_matches_forward(form):
     assert_close_rel(yt, yr, 2e-2, "output")
     assert_close_rel(xt.grad, xr.grad, 2e-2, "input grad")
     assert_grads_match(tiled, ref, 2e-2)
+
+
+def test_a_stochastic_form_cannot_cut_its_forward_differently():
+    """Its backward replays the forward's random numbers shard by shard."""
+    from tiledmlp.forms import ModuleForm
+    from tiledmlp.function import TileCall
+
+    form = ModuleForm(lambda x: x, [], [], 2)
+    with pytest.raises(ValueError, match="leave forward_rows None"):
+        TileCall(form=form, shard_rows=8, lead_shape=(16,), forward_rows=4)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tiledmlp
+from tiledmlp import accumulate
 from unit_helpers import llama_mlp, rel_err
 
 H, I, T, SHARDS = 64, 224, 512, 8
@@ -43,6 +44,28 @@ def test_bf16_tiled_error_within_untiled_error(form, inter_chunks, seed):
         e_tiled = rel_err(got_tiled[key], ref_value)
         assert 1e-4 < e_untiled < 2e-2, f"{key}: implausible untiled bf16 error {e_untiled:.2e}"
         assert e_tiled <= 1.1 * e_untiled, f"{key}: tiled {e_tiled:.3e} vs untiled {e_untiled:.3e}"
+
+
+@pytest.mark.parametrize("inter_chunks", [1, 2])
+def test_bf16_block_scaled_column_blocks_within_untiled_error(monkeypatch, inter_chunks):
+    """A width whose ``dh`` blocks are whole exponent blocks (1024 columns): the down projection's
+    gradient is summed block-scaled a column block at a time, every block rounded by its last add."""
+    wide = 2048
+    finals = []
+    real = accumulate.scaled_accumulate_
+    monkeypatch.setattr(accumulate, "scaled_accumulate_",
+                        lambda *a, last=False, **k: finals.append(last) or real(*a, last=last, **k))
+    base = llama_mlp(H, wide, seed=5)
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=SHARDS, inter_chunks=inter_chunks)
+    gen = torch.Generator().manual_seed(105)
+    x, g = torch.randn(1, T, H, generator=gen), torch.randn(1, T, H, generator=gen)
+    want = _grads(copy.deepcopy(base).double(), x, g, torch.float64)
+    got_untiled = _grads(copy.deepcopy(base).bfloat16(), x, g, torch.bfloat16)
+    got_tiled = _grads(tiled, x, g, torch.bfloat16)
+    # gate and up: one block per intermediate block; down: one per dh block (2 of 1024 columns)
+    assert finals.count(True) == 2 * inter_chunks + 2
+    for key, ref_value in want.items():
+        assert rel_err(got_tiled[key], ref_value) <= 1.1 * rel_err(got_untiled[key], ref_value), key
 
 
 def test_fp32_accumulators_are_what_keeps_bf16_precise():

@@ -16,6 +16,7 @@ import torch
 from tiledmlp import accumulate
 from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.kernels import scaled_accumulate_, scaled_empty, scaled_finalize_
+from tiledmlp.kernels import scaled_accum
 from tiledmlp.kernels.scaled_accum import BLOCK
 from unit_helpers import rel_err, run_interpreted
 
@@ -32,13 +33,37 @@ def _partials(n: int, rows: int = ROWS, cols: int = COLS, dtype=torch.bfloat16, 
     return [(mean + torch.randn(rows, cols, generator=gen)).to(dtype) for _ in range(n)]
 
 
-def _accumulate(partials, backend: str) -> torch.Tensor:
+def _accumulate(partials, backend: str, fused_last: bool = False) -> torch.Tensor:
+    """The bf16 sum: the last add rounds it (``fused_last``) or a finalize pass after it does."""
     acc, exps = scaled_empty(*partials[0].shape, device=partials[0].device)
     acc.fill_(float("nan"))  # the first add must not read it
     exps.fill_(77)
-    for i, p in enumerate(partials):
+    for i, p in enumerate(partials[:-1]):
         scaled_accumulate_(acc, exps, p, first=i == 0, backend=backend)
+    first = len(partials) == 1
+    if fused_last:
+        return scaled_accumulate_(acc, exps, partials[-1], first, last=True, backend=backend)
+    scaled_accumulate_(acc, exps, partials[-1], first, backend=backend)
     return scaled_finalize_(acc, exps, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shards", [1, 3])
+def test_last_add_rounds_the_float32_sum_once(backend, shards):
+    """``last=True`` rounds ``value + partial`` (float32) straight to bf16: one rounding fewer than an
+    add (to the float16 significand) followed by a finalize pass, and never more than 1 ulp from it."""
+    parts = _partials(shards)
+    parts[-1][1, 5] = float("inf")
+    acc, exps = scaled_empty(*parts[0].shape, device=parts[0].device)
+    for i, p in enumerate(parts[:-1]):
+        scaled_accumulate_(acc, exps, p, first=i == 0, backend=backend)
+    before = scaled_accum._values_torch(acc, exps) if shards > 1 else 0.0
+    want = (before + parts[-1].float()).bfloat16()
+    fused = scaled_accumulate_(acc, exps, parts[-1], shards == 1, last=True, backend=backend)
+    assert fused.dtype == torch.bfloat16 and fused.data_ptr() == acc.data_ptr()
+    assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
+    two_pass = _accumulate(parts, backend)
+    assert (fused.view(torch.int16).int() - two_pass.view(torch.int16).int()).abs().max() <= 1
 
 
 def _exact(partials) -> torch.Tensor:
@@ -151,12 +176,16 @@ def test_grad_accumulator_chunks_the_partial_buffer(monkeypatch):
               for _ in range(4)]
     exact = sum(a.double().t() @ b.double() for a, b in shards)
     results = {}
+    gemm_rows: list[int] = []
+    real_mm_into = accumulate.mm_into
+    monkeypatch.setattr(accumulate, "mm_into", lambda out, a, b: gemm_rows.append(out.shape[0]) or real_mm_into(out, a, b))
     for mib in (64, 0.1):  # 0.1 MiB holds 74 rows of 700 bf16: five chunks of 60 rows
         monkeypatch.setattr(accumulate, "PARTIAL_MIB", mib)
+        gemm_rows.clear()
         grads = GradAccumulator([param], [True], len(shards), None)
         for a, b in shards:
             grads.addmm(0, a.t(), b)
-        assert grads._partial.numel() == (300 if mib == 64 else 60) * 700
+        assert gemm_rows == len(shards) * ([300] if mib == 64 else [60] * 5)
         (results[mib],) = grads.results()
     # Each shard's partial is rounded to bf16 before it is added: one more bf16 rounding of noise per
     # partial, i.e. sqrt(1 + sum |partial|^2 / |sum|^2) times one rounding of the exact sum.
@@ -189,6 +218,70 @@ def test_grad_accumulator_representations():
     assert GradAccumulator([w], [True], 2, torch.bfloat16)._dtypes == [torch.bfloat16]
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32, torch.bfloat16])
+def test_grad_accumulator_column_blocks(device, accum_dtype):
+    """Column blocks (the down projection's gradient, one ``dh`` block at a time) land in the
+    parameter's own layout, GEMM output written into strided columns, for every representation."""
+    gen = torch.Generator().manual_seed(0)
+    param = torch.empty(48, 3 * BLOCK, dtype=torch.bfloat16, device=device)
+    bounds = [(0, BLOCK), (BLOCK, 3 * BLOCK)]
+    shards = [(torch.randn(96, 48, generator=gen).bfloat16().to(device),
+               torch.randn(96, 3 * BLOCK, generator=gen).bfloat16().to(device)) for _ in range(3)]
+    exact = sum(a.double().t() @ b.double() for a, b in shards)
+    grads = GradAccumulator([param], [True], len(shards), accum_dtype)
+    grads.plan_columns(0, bounds)
+    for a, b in shards:
+        for start, stop in bounds:
+            grads.addmm(0, a.t(), b[:, start:stop].contiguous(), cols=slice(start, stop))
+    assert grads._scaled == [accum_dtype is None]  # aligned blocks keep the block-scaled sum
+    (got,) = grads.results()
+    assert got.dtype == torch.bfloat16 and got.shape == param.shape and got.is_contiguous()
+    rounding = rel_err(exact.bfloat16(), exact)
+    assert rel_err(got, exact) <= (3 if accum_dtype == torch.bfloat16 else 1.6) * rounding
+
+
+def test_blocks_short_of_one_add_per_shard_are_rounded_at_the_end():
+    """A block's add in the last shard rounds it to the result in the same pass; a block that some
+    shard did not contribute to (a MoE expert no token of that shard was routed to) is rounded by
+    ``results``. Both come out as the bf16 rounding of their sum."""
+    gen = torch.Generator().manual_seed(2)
+    param = torch.empty(8, BLOCK + 100, dtype=torch.bfloat16)
+    grads = GradAccumulator([param], [True], 3, None)
+    parts = [torch.randn(8, BLOCK + 100, generator=gen).bfloat16() for _ in range(3)]
+    for k, part in enumerate(parts):
+        grads.add(0, part[:4], rows=slice(0, 4))
+        if k < 2:
+            grads.add(0, part[4:], rows=slice(4, 8))
+    assert grads._final == {(0, 0, 4, None, None)}
+    (got,) = grads.results()
+    for rows, n in ((slice(0, 4), 3), (slice(4, 8), 2)):
+        exact = sum(p[rows].double() for p in parts[:n])
+        assert rel_err(got[rows], exact) <= 1.05 * rel_err(exact.bfloat16(), exact)
+
+
+def test_misaligned_column_blocks_sum_in_float32():
+    """Blocks that split an exponent block cannot share its scale: the parameter sums in float32
+    instead, and an unplanned misaligned block is refused with the fix in the message."""
+    gen = torch.Generator().manual_seed(1)
+    param = torch.empty(16, 2 * BLOCK, dtype=torch.bfloat16)
+    bounds = [(0, 1000), (1000, 2 * BLOCK)]
+    shards = [(torch.randn(32, 16, generator=gen).bfloat16(), torch.randn(32, 2 * BLOCK, generator=gen).bfloat16())
+              for _ in range(2)]
+    grads = GradAccumulator([param], [True], len(shards), None)
+    grads.plan_columns(0, bounds)
+    assert grads._scaled == [False] and grads._dtypes == [torch.float32]
+    for a, b in shards:
+        for start, stop in bounds:
+            grads.addmm(0, a.t(), b[:, start:stop].contiguous(), cols=slice(start, stop))
+    exact = sum(a.double().t() @ b.double() for a, b in shards)
+    (got,) = grads.results()
+    assert rel_err(got, exact) <= 1.05 * rel_err(exact.bfloat16(), exact)
+    unplanned = GradAccumulator([param], [True], len(shards), None)
+    with pytest.raises(ValueError, match="multiples of 1024 columns"):
+        unplanned.addmm(0, shards[0][0].t(), shards[0][1][:, :1000].contiguous(), cols=slice(0, 1000))
+
+
 #: where the Triton kernels run in this process: the interpreter's CPU, and a GPU if there is one
 TRITON_DEVICES = (["cpu"] if INTERPRET and HAS_TRITON else []) + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -198,10 +291,11 @@ def test_triton_matches_torch_backend_bit_for_bit(device):
     parts = [p.to(device) for p in _partials(6)]
     parts[2][3, 11] = float("inf")
     parts[4][5, 2000] = float("nan")
-    triton_out, torch_out = (_accumulate(parts, backend) for backend in ("triton", "torch"))
-    nan = torch_out.isnan()
-    assert torch.equal(triton_out.isnan(), nan)  # NaN payloads may differ
-    assert torch.equal(triton_out[~nan].view(torch.int16), torch_out[~nan].view(torch.int16))
+    for fused_last in (False, True):
+        triton_out, torch_out = (_accumulate(parts, backend, fused_last) for backend in ("triton", "torch"))
+        nan = torch_out.isnan()
+        assert torch.equal(triton_out.isnan(), nan)  # NaN payloads may differ
+        assert torch.equal(triton_out[~nan].view(torch.int16), torch_out[~nan].view(torch.int16))
 
 
 if HAS_TRITON and not INTERPRET:

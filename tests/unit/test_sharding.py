@@ -17,12 +17,15 @@ def test_generic_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
 
 
 @pytest.mark.parametrize("tokens, inter, scratch_mib, tile", [
-    (131072, 14336, None, (8192, 1)),  # Llama-3-8B, bf16: 8192 tokens = 512 MiB of scratch
-    (9000, 14336, None, (4500, 1)),  # two equal shards rather than 8192 + 808
-    (4000, 14336, None, (4000, 1)),  # short sequences: one shard
-    (131072, 28672, None, (4096, 1)),  # Llama-70B: 4096 tokens fit the budget
-    (131072, 14336, 200, (3049, 1)),  # a tighter budget: 3072 fit, made 43 equal shards
-    (131072, 14336, 32, (1024, 3)),  # below 1024 tokens the intermediate dimension is split
+    (131072, 14336, None, (16384, 2)),  # Llama-3-8B, bf16: 16384 tokens in two blocks = 512 MiB of scratch
+    (32768, 14336, None, (16384, 2)),  # two shards rather than four of 8192 in one block
+    (8192, 14336, None, (8192, 1)),  # one shard either way: one block
+    (9000, 14336, None, (9000, 2)),  # one shard in two blocks rather than two in one
+    (4000, 14336, None, (4000, 1)),  # short sequences: one shard, one block
+    (40000, 14336, None, (13334, 2)),  # three equal shards rather than 16384 + 16384 + 7232
+    (131072, 28672, None, (8192, 2)),  # Llama-70B: 8192 tokens in two blocks fit the budget
+    (131072, 14336, 200, (5958, 2)),  # a tighter budget: 6144 fit, made 22 equal shards
+    (131072, 14336, 16, (1024, 5)),  # below 1024 tokens the intermediate dimension is split further
 ])
 def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, scratch_mib, tile):
     rows, chunks = ShardPolicy(scratch_mib=scratch_mib).glu_tile(tokens, inter, itemsize=2)
@@ -30,11 +33,25 @@ def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, s
     assert rows * glu_scratch_per_token(inter, 2, chunks) <= (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
 
 
+def test_glu_auto_tile_with_fixed_blocks_takes_the_longest_fitting_shard():
+    assert ShardPolicy(inter_chunks=1).glu_tile(131072, 14336, 2) == (8192, 1)
+    assert ShardPolicy(inter_chunks=4).glu_tile(131072, 14336, 2) == (16384, 4)  # capped at MAX_AUTO_TILE
+
+
+def test_glu_forward_shards_are_equal_parts_of_a_backward_shard_within_the_budget():
+    """The forward keeps gate and up of its whole shard (``2 * inter`` elements per token)."""
+    policy = ShardPolicy()
+    assert policy.glu_forward_rows(14336, 2, 16384) == 8192  # 9362 tokens fit 512 MiB
+    assert policy.glu_forward_rows(14336, 2, 8192) == 8192
+    assert policy.glu_forward_rows(14336, 2, 13334) == 6667
+    assert ShardPolicy(scratch_mib=64).glu_forward_rows(14336, 2, 4000) == 1000
+
+
 def test_glu_scratch_counts_gate_up_and_one_dh_block():
     assert dh_blocks(14336) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 14336)]
-    assert dh_blocks(3000) == [(0, 3000)]  # narrower blocks would lose more GEMM speed than they save
+    assert dh_blocks(1500) == [(0, 1500)]  # narrower blocks would lose more GEMM speed than they save
     assert glu_scratch_per_token(14336, 2) == (2 * 14336 + 4096) * 2
-    assert glu_scratch_per_token(14336, 2, inter_chunks=2) == (2 * 7168 + 3072) * 2
+    assert glu_scratch_per_token(14336, 2, inter_chunks=2) == (2 * 7168 + 2048) * 2
 
 
 def test_blocks_are_aligned_for_fast_gemms():
@@ -42,8 +59,9 @@ def test_blocks_are_aligned_for_fast_gemms():
     sends cuBLAS to kernels ~4x slower), dh blocks a multiple of 1024, so a block count may come out
     lower than asked."""
     assert chunk_bounds(14336, 3) == [(0, 4800), (4800, 9600), (9600, 14336)]
-    assert dh_blocks(7168) == [(0, 3072), (3072, 6144), (6144, 7168)]
+    assert dh_blocks(7168) == [(0, 2048), (2048, 4096), (4096, 6144), (6144, 7168)]
     assert dh_blocks(11008) == [(0, 3072), (3072, 6144), (6144, 9216), (9216, 11008)]
+    assert dh_blocks(3000) == [(0, 2048), (2048, 3000)]
     assert chunk_bounds(88, 3) == [(0, 64), (64, 88)]
     assert chunk_bounds(5, 8) == [(0, 5)]
 

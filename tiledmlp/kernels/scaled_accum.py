@@ -19,10 +19,12 @@ Public entry points: :func:`scaled_empty`, :func:`scaled_accumulate_`, :func:`sc
 Infinities and NaNs propagate to the result (a GradScaler still sees them).
 
 Memory traffic (Triton) per update: reads the partial and the accumulator, writes the accumulator:
-``3 * 2`` bytes per element for a bf16 partial.
+``3 * 2`` bytes per element for a bf16 partial. The last update (``last=True``) writes the bf16
+result instead, so a sum of N partials costs N passes, with no separate finalize pass.
 """
 
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,22 +50,34 @@ def scaled_empty(rows: int, cols: int, device: torch.device) -> tuple[Tensor, Te
             torch.empty(rows, -(-cols // BLOCK), dtype=torch.int32, device=device))
 
 
-def scaled_accumulate_(acc: Tensor, exps: Tensor, partial: Tensor, first: bool, *, backend: Backend = "auto") -> None:
+def scaled_accumulate_(acc: Tensor, exps: Tensor, partial: Tensor, first: bool, *, last: bool = False,
+                       backend: Backend = "auto") -> Optional[Tensor]:
     """``value += partial`` (``value = partial`` when ``first``), in place.
 
     Args:
-        acc, exps: a row block of an accumulator from :func:`scaled_empty` (``acc[rows], exps[rows]``).
+        acc, exps: a block of an accumulator from :func:`scaled_empty` (``acc[rows, cols]`` with the
+            matching ``exps`` block).
         partial: ``[rows, cols]`` float32/bf16/fp16 with unit column stride.
         first: ``acc``/``exps`` hold nothing yet; their memory is overwritten, not read.
+        last: this is the final add: ``value + partial`` (float32) is rounded once to bfloat16 and
+            written over ``acc``'s memory, in the same pass (one rounding fewer, and one pass fewer,
+            than an add followed by :func:`scaled_finalize_`).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (same numerics, bit for bit).
+
+    Returns:
+        With ``last``, ``acc``'s memory viewed as the bfloat16 result (``acc`` must not be used
+        afterwards); otherwise None.
     """
     _check(acc, exps, partial, "partial", _PARTIAL_DTYPES)
+    out = acc.view(torch.bfloat16) if last else None
     if acc.numel() == 0:
-        return
+        return out
     if resolve_backend(backend, acc) == "triton":
-        _launch(scaled_accum_triton.scaled_accumulate_kernel, acc, exps, partial, FIRST=first)
+        _launch(scaled_accum_triton.scaled_accumulate_kernel, acc, exps, partial, acc.view(torch.bfloat16),
+                FIRST=first, LAST=last)
     else:
-        _accumulate_torch(acc, exps, partial, first)
+        _accumulate_torch(acc, exps, partial, first, last)
+    return out
 
 
 def scaled_finalize_(acc: Tensor, exps: Tensor, dtype: torch.dtype = torch.bfloat16, *,
@@ -87,12 +101,13 @@ def scaled_finalize_(acc: Tensor, exps: Tensor, dtype: torch.dtype = torch.bfloa
 # --------------------------------------------------------------------------- Triton launch
 
 
-def _launch(kernel, acc: Tensor, exps: Tensor, other: Tensor, **constexprs) -> None:
+def _launch(kernel, acc: Tensor, exps: Tensor, other: Tensor, *extra: Tensor, **constexprs) -> None:
+    """``kernel(acc, exps, other, *extra, cols, strides...)``; ``extra`` tensors share ``acc``'s strides."""
     rows, cols = acc.shape
     # Rows go on grid axis 0, the only axis allowed more than 65535 programs.
     with torch.cuda.device(acc.device) if acc.is_cuda else nullcontext():
-        kernel[(rows, exps.shape[1])](acc, exps, other, cols, acc.stride(0), exps.stride(0), other.stride(0),
-                                      BLOCK=BLOCK, num_warps=4, **constexprs)
+        kernel[(rows, exps.shape[1])](acc, exps, other, *extra, cols, acc.stride(0), exps.stride(0),
+                                      other.stride(0), BLOCK=BLOCK, num_warps=4, **constexprs)
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -114,8 +129,11 @@ def _values_torch(acc: Tensor, exps: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _accumulate_torch(acc: Tensor, exps: Tensor, partial: Tensor, first: bool) -> None:
+def _accumulate_torch(acc: Tensor, exps: Tensor, partial: Tensor, first: bool, last: bool) -> None:
     v = partial.float() if first else _values_torch(acc, exps) + partial.float()
+    if last:  # v is computed in full before the copy overwrites acc
+        acc.view(torch.bfloat16).copy_(v)
+        return
     blocks = _per_block(v)
     mag = blocks.abs()
     amax = torch.where(mag < float("inf"), mag, 0.0).amax(-1)

@@ -27,10 +27,12 @@ def _to_bfloat16(x):
 
 
 @triton.jit
-def scaled_accumulate_kernel(acc_ptr, exp_ptr, part_ptr, cols, acc_stride, exp_stride, part_stride,
-                             FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def scaled_accumulate_kernel(acc_ptr, exp_ptr, part_ptr, out_ptr, cols, acc_stride, exp_stride, part_stride,
+                             FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
     """``value += partial``; the block's exponent is re-chosen so its largest finite magnitude
-    lands in [2**14, 2**15). ``FIRST``: the accumulator holds nothing yet (its memory is not read)."""
+    lands in [2**14, 2**15). ``FIRST``: the accumulator holds nothing yet (its memory is not read).
+    ``LAST``: the sum is final: it is rounded once to bfloat16 into ``out`` (the accumulator's own
+    memory, same strides) instead of being rescaled, which saves the finalize pass."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -40,13 +42,16 @@ def scaled_accumulate_kernel(acc_ptr, exp_ptr, part_ptr, cols, acc_stride, exp_s
         e_old = tl.load(exp_ptr + row * exp_stride + blk)
         a = tl.load(acc_ptr + row * acc_stride + offs, mask=mask, other=0.0).to(tl.float32)
         v = a * _pow2(-e_old) + v
-    # Infinities and NaNs are kept as they are (scaling leaves them so); they do not set the scale.
-    mag = tl.abs(v)
-    amax = tl.max(tl.where(mag < float("inf"), mag, 0.0), axis=0)
-    k = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # amax in [2**k, 2**(k+1))
-    e = tl.minimum(tl.maximum(14 - k, -126), 126)
-    tl.store(acc_ptr + row * acc_stride + offs, (v * _pow2(e)).to(tl.float16), mask=mask)
-    tl.store(exp_ptr + row * exp_stride + blk, e)
+    if LAST:
+        tl.store(out_ptr + row * acc_stride + offs, _to_bfloat16(v), mask=mask)
+    else:
+        # Infinities and NaNs are kept as they are (scaling leaves them so); they do not set the scale.
+        mag = tl.abs(v)
+        amax = tl.max(tl.where(mag < float("inf"), mag, 0.0), axis=0)
+        k = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # amax in [2**k, 2**(k+1))
+        e = tl.minimum(tl.maximum(14 - k, -126), 126)
+        tl.store(acc_ptr + row * acc_stride + offs, (v * _pow2(e)).to(tl.float16), mask=mask)
+        tl.store(exp_ptr + row * exp_stride + blk, e)
 
 
 @triton.jit
