@@ -14,7 +14,8 @@ none                       2            one shard: its GEMM writes the gradient 
 block-scaled float16       2 (+1/512)   default for bf16 weights (2-D or more): float16 significands
                                         with one power-of-two exponent per 1024 elements, re-chosen
                                         at every add (``kernels/scaled_accum.py``); 8x finer than
-                                        bf16, never overflows, finalized in place into the gradient
+                                        bf16, never overflows; the last shard's add writes the bf16
+                                        gradient over the same memory (no finalize pass)
 float32                    4            default for biases (tiny), float16 parameters (a float16 sum
                                         would be no finer than the result) and float32 parameters;
                                         everything with ``grad_accum_dtype=torch.float32``
@@ -28,8 +29,8 @@ with N shards its error is ``sqrt(1 + N / 192)`` times one bf16 rounding in the 
 that all point the same way; 1.3x at 128 shards), against ``sqrt(1 + N / 3)`` for a bf16 running sum.
 
 A block-scaled add needs the shard's partial as a tensor: the GEMM writes it (bf16; float32 for
-float16 compute) into one reusable buffer of at most ``PARTIAL_MIB`` MiB, in row chunks, and the
-kernel adds it. That moves as many bytes per shard as a float32-C GEMM does (8 per element), and the
+float16 compute) into a buffer of at most ``PARTIAL_MIB`` MiB allocated for that add, in row
+chunks, and the kernel adds it. That moves as many bytes per shard as a float32-C GEMM does (8 per element), and the
 bf16 GEMM epilogue is the faster one. Rounding the partial to bf16 costs about one bf16 rounding of
 noise, which stays within the untiled GEMM's own error (``docs/benchmarks.md``).
 """
