@@ -30,8 +30,8 @@ that all point the same way; 1.3x at 128 shards), against ``sqrt(1 + N / 3)`` fo
 
 A block-scaled add needs the shard's partial as a tensor: the GEMM writes it (bf16; float32 for
 float16 compute) into a buffer of at most ``PARTIAL_MIB`` MiB allocated for that add, in row
-chunks, and the kernel adds it. That moves as many bytes per shard as a float32-C GEMM does (8 per element), and the
-bf16 GEMM epilogue is the faster one. Rounding the partial to bf16 costs about one bf16 rounding of
+chunks, and the kernel adds it. That moves as many bytes per shard as a float32-C GEMM does (8 per
+element), and the bf16 GEMM epilogue is the faster one. Rounding the partial to bf16 costs about one bf16 rounding of
 noise, which stays within the untiled GEMM's own error (``docs/benchmarks.md``).
 """
 
@@ -136,6 +136,9 @@ class GradAccumulator:
         their first shard, so no block is read before it is written.
         """
         key = (i, rows.start, rows.stop, cols.start, cols.stop)
+        if key in self._final:  # its memory already holds the bf16 result
+            raise RuntimeError(f"gradient block {key} got more than one contribution per shard "
+                               f"({self._num_shards} shards); add each block once per shard")
         adds = self._adds[key] = self._adds.get(key, 0) + 1
         if self._sums[i] is None:
             p = self._params[i]

@@ -23,8 +23,8 @@ Fewer shards are faster: each is a pass over the weight-gradient accumulators. A
 with two, so within one budget two blocks allow shards twice as long; the second block costs narrower
 GEMMs and two more input-gradient adds, which measured less than the accumulator pass they save. The
 default budget fits 16384-token shards in two blocks (or 8192 in one) of the Llama-3-8B MLP and keeps
-its peak below the anchors'; smaller budgets trade speed for memory. Block widths are multiples of 64 elements (16-byte aligned bf16
-columns): misaligned column blocks send cuBLAS to kernels ~4x slower.
+its peak below the anchors'; smaller budgets trade speed for memory. Block widths are multiples of
+64 elements (16-byte aligned bf16 columns): misaligned column blocks send cuBLAS to kernels ~4x slower.
 """
 
 from __future__ import annotations

@@ -178,7 +178,8 @@ def test_grad_accumulator_chunks_the_partial_buffer(monkeypatch):
     results = {}
     gemm_rows: list[int] = []
     real_mm_into = accumulate.mm_into
-    monkeypatch.setattr(accumulate, "mm_into", lambda out, a, b: gemm_rows.append(out.shape[0]) or real_mm_into(out, a, b))
+    monkeypatch.setattr(accumulate, "mm_into",
+                        lambda out, a, b: gemm_rows.append(out.shape[0]) or real_mm_into(out, a, b))
     for mib in (64, 0.1):  # 0.1 MiB holds 74 rows of 700 bf16: five chunks of 60 rows
         monkeypatch.setattr(accumulate, "PARTIAL_MIB", mib)
         gemm_rows.clear()
@@ -254,6 +255,8 @@ def test_blocks_short_of_one_add_per_shard_are_rounded_at_the_end():
         if k < 2:
             grads.add(0, part[4:], rows=slice(4, 8))
     assert grads._final == {(0, 0, 4, None, None)}
+    with pytest.raises(RuntimeError, match="more than one contribution per shard"):
+        grads.add(0, parts[0][:4], rows=slice(0, 4))
     (got,) = grads.results()
     for rows, n in ((slice(0, 4), 3), (slice(4, 8), 2)):
         exact = sum(p[rows].double() for p in parts[:n])
