@@ -78,6 +78,12 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _splits_exponent_blocks(start: int, stop: int, cols: int) -> bool:
+    """Whether columns ``[start, stop)`` of a ``cols``-wide block-scaled accumulator cut through one of
+    its ``BLOCK``-column exponent blocks (the last, partial block may end at ``cols``)."""
+    return bool(start % BLOCK or (stop % BLOCK and stop != cols))
+
+
 class GradAccumulator:
     """Sums per-shard parameter gradients, once per parameter per backward (see the design note).
 
@@ -109,7 +115,7 @@ class GradAccumulator:
         column blocks are multiples of ``BLOCK``)."""
         cols = self._params[i].shape[-1]
         if self._sums[i] is None and self._scaled[i] and any(
-                start % BLOCK or (stop % BLOCK and stop != cols) for start, stop in bounds):
+                _splits_exponent_blocks(start, stop, cols) for start, stop in bounds):
             self._scaled[i] = False
             self._dtypes[i] = torch.float32
 
@@ -121,7 +127,7 @@ class GradAccumulator:
             return acc, None if exps is None else exps[rows]
         if exps is None:
             return acc[:, cols], None
-        if cols.start % BLOCK or (cols.stop % BLOCK and cols.stop != acc.shape[1]):
+        if _splits_exponent_blocks(cols.start, cols.stop, acc.shape[1]):
             raise ValueError(f"a column block of a block-scaled accumulator must start and end on multiples of "
                              f"{BLOCK} columns (its exponent blocks), got {cols.start}:{cols.stop}; declare the "
                              "blocks with plan_columns first, which sums misaligned ones in float32")

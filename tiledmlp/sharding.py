@@ -126,6 +126,9 @@ class ShardPolicy:
         if self.num_shards is not None and self.tile_tokens is not None:
             raise ValueError("give num_shards or tile_tokens, not both: each fixes the shard size")
 
+    def _budget_bytes(self) -> float:
+        return (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+
     def _fixed_rows(self, tokens: int) -> Optional[int]:
         if self.tile_tokens is not None:
             return min(self.tile_tokens, tokens)
@@ -147,7 +150,7 @@ class ShardPolicy:
         shard is a pass over the weight-gradient accumulators), then the fewest blocks.
         """
         tokens = max(tokens, 1)
-        budget = (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+        budget = self._budget_bytes()
         rows, chunks = self._fixed_rows(tokens), self.inter_chunks
         if rows is None:
             counts = [chunks] if chunks is not None else range(1, MAX_AUTO_INTER_CHUNKS + 1)
@@ -167,6 +170,6 @@ class ShardPolicy:
         """Tokens per forward shard of the fast GLU form: the backward's ``backward_rows``, or fewer
         when the forward's own scratch (``gate`` and ``up`` rows, ``2 * inter`` elements per token, which
         intermediate blocks do not split) would exceed the budget."""
-        budget = (self.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+        budget = self._budget_bytes()
         fits = max(1, int(budget // (2 * inter * itemsize)))
         return math.ceil(backward_rows / math.ceil(backward_rows / fits))  # equal parts of a backward shard
