@@ -54,9 +54,9 @@ FIXED_COLUMNS = (
 )
 VERSION_DISTRIBUTIONS = {
     "torch": "torch", "triton": "triton", "transformers": "transformers", "liger": "liger-kernel",
-    "deepspeed": "deepspeed", "tiledmlp": "tiledmlp",
+    "deepspeed": "deepspeed", "tiledmlp": "tiledmlp", "cce": "cut-cross-entropy",
 }
-VERSION_MODULES = {"liger": "liger_kernel"}
+VERSION_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def package_version(key: str) -> str:
 
 def package_versions() -> dict[str, str]:
     """Versions of every package the CSV reports."""
-    versions = {key: package_version(key) for key in VERSION_DISTRIBUTIONS}
+    versions = {key: package_version(key) for key in VERSION_DISTRIBUTIONS if key != "cce"}
     versions["torch"] = torch.__version__
     return versions
 
@@ -550,9 +550,14 @@ def fmt(value: Any) -> str:
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write rows with the fixed columns first, then the per-weight error columns."""
-    extra = sorted({key for row in rows for key in row} - set(FIXED_COLUMNS))
+    write_csv_rows(path, rows, FIXED_COLUMNS)
+
+
+def write_csv_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    """Write rows with ``columns`` first, then any other keys (sorted); floats as :func:`fmt` writes them."""
+    extra = sorted({key for row in rows for key in row} - set(columns))
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*FIXED_COLUMNS, *extra], restval="n/a")
+        writer = csv.DictWriter(handle, fieldnames=[*columns, *extra], restval="n/a")
         writer.writeheader()
         writer.writerows({key: fmt(value) if isinstance(value, float) else value for key, value in row.items()}
                          for row in rows)
@@ -590,7 +595,12 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """Print the headline columns as an aligned text table."""
-    columns = ("provider", "T", "time_ms", "time_ratio_vs_eager", "peak_mib", "err_out", "err_dx", "err_w_max")
+    print_rows(rows, ("provider", "T", "time_ms", "time_ratio_vs_eager", "peak_mib", "err_out", "err_dx",
+                      "err_w_max"))
+
+
+def print_rows(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    """Print ``columns`` of ``rows`` as an aligned text table."""
     cells = [[fmt(row.get(c, "n/a")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     for line in ([*columns], *cells):

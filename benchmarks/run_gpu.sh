@@ -2,7 +2,7 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum|gemms|paired]
+#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum|gemms|paired|loss|longctx|longctx-max]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -22,4 +22,8 @@ run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1
     && python3 benchmarks/bench_mlp.py --act gelu_tanh --seq-lens 8192,32768,131072 --reps 9
 run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
 run paired && python3 benchmarks/bench_paired.py && python3 benchmarks/bench_paired.py --act gelu_tanh
+run loss && python3 benchmarks/bench_loss.py
+# 128K tokens and beyond: one timed step per variant (a 128K step takes seconds, a 512K one minutes)
+run longctx && python3 benchmarks/bench_longctx.py --multi-step-max 65536
+run longctx-max && python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432 --tag max
 if [[ -n ${OUT:-} ]]; then find benchmarks/results -type f -newer "$started" -exec cp {} "$OUT"/ \;; fi

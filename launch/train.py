@@ -4,9 +4,9 @@ The model is built in code from a ``transformers.LlamaConfig`` with random weigh
 downloaded); the data are random tokens, different on every rank. The built-in default is tiny and
 runs on a CPU in seconds; the size flags give real shapes.
 
-    # the README demo: 2 CPU processes (gloo), DDP, tiling on, tiled vs untiled
+    # the README demo: 2 CPU processes (gloo), DDP, tiling on (MLPs and the loss), tiled vs untiled
     python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py \\
-        --wrap ddp --tiling auto --compare
+        --wrap ddp --tiling auto --compare --loss-scratch-mib 0.05
 
     # 8 GPUs (NCCL is picked automatically), Llama-3-8B MLP shapes, 32K tokens per sequence
     python -m torch.distributed.run --standalone --nproc-per-node 8 launch/train.py --wrap fsdp2 \\
@@ -81,6 +81,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     dp.add_argument("--use-orig-params", action="store_true", help="FSDP1 with original parameters")
     dp.add_argument("--tiling", choices=("auto", "off"), default="auto",
                     help="auto: enable_tiling(strategy='auto') after wrapping; off: untiled")
+    dp.add_argument("--tile-loss", choices=("on", "off"), default="on",
+                    help="with tiling on, also tile the LM head + cross-entropy (enable_tiling(loss=True))")
+    dp.add_argument("--loss-scratch-mib", type=float, default=None,
+                    help="the tiled loss's scratch budget (default: the library's, max(256 MiB, hidden states))")
     shards = dp.add_mutually_exclusive_group()
     shards.add_argument("--tile-tokens", type=_tile_tokens, default=64,
                         help="tokens per shard; 'auto' for the library's policy (use it at real sizes: it "
@@ -266,11 +270,14 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
     model = wrap(build_model(args), args, env)
     if tiled:
         tile_tokens = None if args.num_shards is not None else args.tile_tokens
-        tiledmlp.enable_tiling(model, num_shards=args.num_shards, tile_tokens=tile_tokens)
+        tile_loss = args.tile_loss == "on"
+        tiledmlp.enable_tiling(model, num_shards=args.num_shards, tile_tokens=tile_tokens, loss=tile_loss,
+                               loss_scratch_mib=args.loss_scratch_mib)
         if env.main:
             strategies = tiledmlp.tiled_modules(model)
-            print(f"[{label}] tiled {len(strategies)} MLPs, strategies {sorted(set(strategies.values()))}, "
-                  f"{_shards_described(args)}", flush=True)
+            heads = [name for name in strategies if name.endswith("lm_head")]
+            print(f"[{label}] tiled {len(strategies) - len(heads)} MLPs{' and the LM head + loss' if heads else ''}, "
+                  f"strategies {sorted(set(strategies.values()))}, {_shards_described(args)}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     autocast = compute_context(args, env)
     if env.device.type == "cuda":
@@ -304,10 +311,20 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
 def _shards_described(args: argparse.Namespace) -> str:
     tokens = args.batch_size * args.seq_len
     if args.num_shards is not None:
-        return f"{args.num_shards} shards per call of {tokens} tokens"
-    if args.tile_tokens is not None:
-        return f"{math.ceil(tokens / args.tile_tokens)} shards of <= {args.tile_tokens} tokens per call of {tokens}"
-    return f"automatic shards for calls of {tokens} tokens"
+        mlp = f"{args.num_shards} shards per MLP call of {tokens} tokens"
+    elif args.tile_tokens is not None:
+        mlp = f"{math.ceil(tokens / args.tile_tokens)} shards of <= {args.tile_tokens} tokens per MLP call of {tokens}"
+    else:
+        mlp = f"automatic shards for MLP calls of {tokens} tokens"
+    if args.tile_loss == "off":
+        return mlp
+    from tiledmlp.sharding import loss_budget_bytes, loss_tile
+
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    tile = loss_tile(tokens, args.vocab, args.hidden, itemsize,
+                     loss_budget_bytes(tokens * args.hidden * itemsize, args.loss_scratch_mib))
+    mode = "gradients in forward" if tile.fused else f"vocabulary chunks of {tile.vocab_chunk}"
+    return f"{mlp}; loss in {math.ceil(tokens / tile.rows)} shards of <= {tile.rows} tokens ({mode})"
 
 
 def max_relative_difference(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -6,6 +6,8 @@ Public API:
   model, bare or wrapped, per instance.
 * :func:`tiled_modules` — which modules are tiled, and with which strategy.
 * :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
+* :func:`tiled_linear_cross_entropy` — the tiled LM head + cross-entropy, for custom training loops
+  (``enable_tiling(model, loss=True)`` tiles Hugging Face causal LMs' loss).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
 * :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
 """
@@ -18,15 +20,18 @@ import torch
 from torch import nn
 
 from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
+from .loss import tiled_linear_cross_entropy
+from .heads import LossOptions
 from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
 from .runtime import TiledCallSpec
-from .sharding import ShardPolicy, auto_num_shards
+from .sharding import LOSS_MODES, ShardPolicy, auto_num_shards
 
 __all__ = [
     "enable_tiling",
     "disable_tiling",
     "tiled_modules",
     "apply_tiled_mlp",
+    "tiled_linear_cross_entropy",
     "register_mlp",
     "ShardPolicy",
     "auto_num_shards",
@@ -35,18 +40,24 @@ __all__ = [
 __version__ = "0.1.0"
 
 _FORMS = ("auto", "generic")
-_OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe")
+_OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
+            "loss_scratch_mib", "loss_mode")
 
 
-def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
+def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: bool = False,
                   **options: Any) -> nn.Module:
-    """Tile every recognized MLP block of ``model`` in place (per instance; the root included).
+    """Tile every recognized MLP block of ``model`` in place (per instance; the root included), and with
+    ``loss=True`` the LM head + cross-entropy of every Hugging Face causal LM in it.
 
     Args:
         model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
             before wrapping with ``strategy="auto"``).
         strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
             ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``; a forced strategy must match the wrapping.
+        loss: also tile the loss (``tiledmlp.heads``): while the model is called with ``labels``, its
+            head returns a placeholder that materializes on demand, and its ``loss_function`` computes
+            the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
+            never exist at once. Without labels the head returns real logits, as before.
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
             for the fast GLU form the fewest shards (up to 16384 tokens each, in one or two blocks of
             the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
@@ -64,15 +75,21 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             ``torch.bfloat16``: the anchors' bf16 running sum.
         mlp_types: extra module types to tile with the generic form (see :func:`register_mlp`).
         include_moe: tile MoE blocks (default True).
+        loss_scratch_mib: the tiled loss's scratch budget in MiB: the largest logits chunk, with the
+            rest of a shard's scratch (default: the larger of 256 MiB and the hidden states' size).
+        loss_mode: ``"auto"``, ``"fused"`` (gradients finished in forward: no logits recompute) or
+            ``"recompute"`` (vocabulary chunks, logits recomputed in backward); see ``tiledmlp.loss``.
 
-    Returns the same ``model``. Calling it again re-configures (never double-wraps). On error
-    nothing is changed.
+    Returns the same ``model``. Calling it again re-configures (never double-wraps; the loss is tiled
+    if the last call asked for it). On error nothing is changed.
 
     Memory: each tiled MLP keeps only its input (``tokens * hidden``) for backward, instead of
     several ``tokens * intermediate`` activations; backward adds one shard's intermediates, one
     gradient accumulator per trainable parameter (2 bytes per bf16 weight element by default) and a
-    partial-gradient buffer of at most 64 MiB. Communication: none added — each parameter's
-    gradient reaches the wrapper once per backward, as untiled.
+    partial-gradient buffer of at most 64 MiB. The tiled loss keeps the head's input gradient and
+    gradient accumulator from its forward to its backward, plus its scratch budget while it runs (no
+    ``tokens x vocab`` tensor). Communication: none added — each parameter's gradient reaches the
+    wrapper once per backward, as untiled.
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -92,8 +109,12 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
     policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
                          inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
+    if not isinstance(loss, bool):
+        raise TypeError(f"loss must be True or False, got {loss!r}")
+    loss_options = _loss_options(options, accum) if loss else None
 
-    states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum)
+    states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
+                  loss_options)
     if not states:
         raise ValueError(
             f"no MLP block recognized in {type(model).__name__}. tiledmlp recognizes modules with "
@@ -106,8 +127,19 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     return model
 
 
+def _loss_options(options: dict[str, Any], accum: Optional[torch.dtype]) -> LossOptions:
+    scratch = options.get("loss_scratch_mib")
+    if scratch is not None and (isinstance(scratch, bool) or not isinstance(scratch, (int, float)) or scratch <= 0):
+        raise ValueError(f"loss_scratch_mib must be a positive number of MiB or None, got {scratch!r}")
+    mode = options.get("loss_mode", "auto")
+    if mode not in LOSS_MODES:
+        raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")
+    return LossOptions(scratch, mode, accum)
+
+
 def disable_tiling(model: nn.Module) -> nn.Module:
-    """Restore the original forwards of every tiled module in ``model``; returns ``model``."""
+    """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
+    tiled causal LMs); returns ``model``."""
     uninstall(model)
     return model
 

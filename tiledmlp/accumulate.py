@@ -91,12 +91,14 @@ class GradAccumulator:
     ``None``) and may be updated block by block: a leading-dim block (``rows``) or a column block
     (``cols``, declared first with :meth:`plan_columns`). Memory: one accumulator per trainable
     parameter (2 bytes per element by default) and, while a block-scaled one adds a GEMM's result, a
-    partial buffer of at most ``PARTIAL_MIB`` MiB, during this module's backward only.
+    partial buffer of at most ``partial_mib`` MiB (default ``PARTIAL_MIB``), during this module's backward
+    only (or its forward, for a form that finishes its gradients there).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], needs: Sequence[bool], num_shards: int,
-                 accum_dtype: Optional[torch.dtype]) -> None:
+                 accum_dtype: Optional[torch.dtype], partial_mib: Optional[float] = None) -> None:
         self._params = params
+        self._partial_bytes = int((PARTIAL_MIB if partial_mib is None else partial_mib) * 2**20)
         self.needs = tuple(needs)
         self._num_shards = num_shards
         self._sums: list[Optional[torch.Tensor]] = [None] * len(params)
@@ -183,7 +185,7 @@ class GradAccumulator:
         # chunks that fit it, and the kernel adds each chunk.
         n_rows, n_cols = block.shape
         dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float32
-        limit = max(1, int(PARTIAL_MIB * 2**20) // (n_cols * dtype.itemsize))
+        limit = max(1, self._partial_bytes // (n_cols * dtype.itemsize))
         chunks = -(-n_rows // limit)
         chunk = -(-n_rows // chunks)
         # Allocated per call, not kept between calls: the next call may be a different size (a

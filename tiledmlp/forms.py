@@ -83,6 +83,7 @@ class ModuleForm:
     """
 
     stochastic = True
+    grads_in_forward = False
 
     def __init__(self, forward: Callable[..., Any], slots: Sequence[Slot], slot_index: Sequence[int],
                  input_ndim: int) -> None:
@@ -131,12 +132,13 @@ class ModuleForm:
         return swapped(self.slots, [tensors[i] for i in self.slot_index])
 
     def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
-                      out: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[Optional[torch.Tensor], ...]:
-        # ``out`` is ignored: the module allocates its own outputs.
+                      out: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                      side: Sequence[torch.Tensor] = ()) -> tuple[Optional[torch.Tensor], ...]:
+        # ``out`` is ignored: the module allocates its own outputs. A module gets no side inputs.
         with self._swapped(params):
             return self._call(x)
 
-    def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator) -> None:
+    def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         leaves = _as_leaves(params, grads.needs)
         x_leaf = x.detach().requires_grad_(dx_out is not None)
         with torch.enable_grad(), self._swapped(leaves):
@@ -230,6 +232,7 @@ class GLUForm:
     """
 
     stochastic = False
+    grads_in_forward = False
     leading_outputs = (True,)
     returned_tuple = False
 
@@ -251,7 +254,7 @@ class GLUForm:
         return (gate_w[sl], None if gate_b is None else gate_b[sl],
                 up_w[up_sl], None if up_b is None else up_b[up_sl], up_offset)
 
-    def forward_shard(self, x, params, out=None):
+    def forward_shard(self, x, params, out=None, side=()):
         lay = self.layout
         if lay.fused:
             gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
@@ -273,7 +276,7 @@ class GLUForm:
             return (torch.mm(h, w_t, out=dest),)
         return (torch.addmm(b_down.to(h.dtype), h, w_t, out=dest),)
 
-    def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator) -> None:
+    def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         (g,) = grad_outputs
         if g is None:
             if dx_out is not None:

@@ -32,8 +32,19 @@ runs twice, not three times, and a checkpointed tiled layer does less MLP work t
 untiled one (22 vs 24 · tokens · hidden · intermediate FLOP). Reentrant checkpointing has no early
 stop and still runs three forwards.
 
+Design note — gradients finished in forward
+-------------------------------------------
+A loss is the last op of a step and its output is summed right away, so every output element gets the
+same upstream gradient ``c`` (1 for ``loss.backward()``). A form with ``grads_in_forward`` (the tiled
+linear cross-entropy) exploits that: each forward shard also computes its input gradient and adds its
+weight gradients to the accumulator *for an upstream gradient of ones*, while its intermediates (the
+shard's logits) are still in hand, so nothing is ever recomputed. Backward only scales them by ``c``
+(nothing to do for ``c == 1``) and hands them out, once. The node then keeps no ``x``: its backward
+needs none, and its gradients reach autograd, hence every wrapper, exactly as a recomputing node's do.
+
 Memory: forward keeps ``O(tokens * hidden)``; backward's transient peak is one shard's intermediates
-plus one gradient accumulator per trainable parameter. No communication happens in this module.
+plus one gradient accumulator per trainable parameter (a ``grads_in_forward`` form holds its input
+gradient and accumulators from forward to backward instead). No communication happens in this module.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from torch.profiler import record_function
 
 from .accumulate import GradAccumulator
 
-__all__ = ["Form", "TileCall", "run_tiled", "in_shard"]
+__all__ = ["AutocastReplay", "Form", "TileCall", "run_tiled", "in_shard"]
 
 _state = threading.local()
 
@@ -81,13 +92,23 @@ class Form(Protocol):
     #: whether the module returns a tuple (else its single output is returned alone)
     returned_tuple: bool
 
+    #: True when ``forward_shard`` also finishes the shard's gradients (see "gradients finished in
+    #: forward"); such a form has no ``backward_shard``
+    grads_in_forward: bool
+
     def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
-                      out: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[Optional[torch.Tensor], ...]:
+                      out: Optional[Sequence[Optional[torch.Tensor]]] = None, side: Sequence[torch.Tensor] = (),
+                      dx_out: Optional[torch.Tensor] = None,
+                      grads: Optional["GradAccumulator"] = None) -> tuple[Optional[torch.Tensor], ...]:
         """Outputs for token rows ``x`` (``[rows, hidden]``), each token-leading (``[rows, ...]``) or None.
 
         ``out`` (from the second shard on) holds each output's destination rows in the tiled call's
         output buffers; a form may compute an output straight into its destination and return that
-        very tensor, which saves the copy (forms are free to ignore ``out``).
+        very tensor, which saves the copy (forms are free to ignore ``out``). ``side`` holds the rows
+        of the call's side inputs (``TileCall.side``). ``grads`` (with ``dx_out``, None when ``x``
+        needs no gradient) is given to ``grads_in_forward`` forms when gradients are wanted: the form
+        then also writes the shard's input gradient and adds its weight gradients, for an upstream
+        gradient of ones on every output element.
         """
 
     def backward_shard(
@@ -97,6 +118,7 @@ class Form(Protocol):
         params: Sequence[torch.Tensor],
         dx_out: Optional[torch.Tensor],
         grads: "GradAccumulator",
+        side: Sequence[torch.Tensor] = (),
     ) -> None:
         """Recompute one shard; write its input gradient into ``dx_out`` and add weight grads to ``grads``."""
 
@@ -110,6 +132,9 @@ class TileCall:
     ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard).
     ``forward_rows`` (default ``shard_rows``) cuts the forward differently from the backward; only a
     deterministic form may use it (a stochastic form's backward replays the forward's shards).
+    ``side`` are token-aligned tensors that need no gradient (a loss's labels, per-token state a form
+    keeps from forward to backward), cut into the same rows as ``x``. ``partial_mib`` bounds the
+    accumulators' partial-gradient buffer (``GradAccumulator``).
     """
 
     form: Form
@@ -118,10 +143,19 @@ class TileCall:
     around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     grad_accum_dtype: Optional[torch.dtype] = None
     forward_rows: Optional[int] = None
+    side: tuple[torch.Tensor, ...] = ()
+    partial_mib: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.forward_rows not in (None, self.shard_rows) and self.form.stochastic:
             raise ValueError("a stochastic form must cut its forward like its backward: leave forward_rows None")
+        if self.forward_rows not in (None, self.shard_rows) and self.form.grads_in_forward:
+            raise ValueError("a form that finishes its gradients in forward has one cut: leave forward_rows None")
+
+    def accumulator(self, params: Sequence[torch.Tensor], needs: Sequence[bool], rows: int) -> GradAccumulator:
+        """The gradient accumulator of one pass over ``rows`` tokens in shards of ``shard_rows``."""
+        return GradAccumulator(params, needs, len(_shard_bounds(rows, self.shard_rows)), self.grad_accum_dtype,
+                               self.partial_mib)
 
 
 def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:
@@ -145,7 +179,7 @@ class _RngReplay:
             yield
 
 
-class _AutocastReplay:
+class AutocastReplay:
     """Re-enters the forward's autocast state in backward, so a recompute rounds like the forward did."""
 
     _DEVICES = ("cuda", "cpu")
@@ -162,11 +196,14 @@ class _AutocastReplay:
         return stack
 
 
-def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
+                    dx: Optional[torch.Tensor] = None,
+                    grads: Optional[GradAccumulator] = None) -> tuple[Optional[torch.Tensor], ...]:
     """Run every shard and write its outputs into buffers allocated once, at the first shard.
 
     The buffers have their final shape (the input's leading dims for token-leading outputs), so the
     tiled node returns them as they are, not as views (FSDP2 warns about views returned by a unit).
+    With ``grads`` (a ``grads_in_forward`` form) each shard also writes its rows of ``dx``.
     """
     buffers: list[Optional[torch.Tensor]] = []
     rows_view: list[Optional[torch.Tensor]] = []  # each buffer seen as [tokens, ...]
@@ -174,8 +211,10 @@ def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
     for idx, (start, stop) in enumerate(_shard_bounds(rows, call.forward_rows or call.shard_rows)):
         # The first shard's outputs size the buffers; later shards may be computed straight into them.
         dests = None if idx == 0 else tuple(None if v is None else v[start:stop] for v in rows_view)
+        side = tuple(t[start:stop] for t in call.side)
+        in_forward = {} if grads is None else {"dx_out": None if dx is None else dx[start:stop], "grads": grads}
         with record_function("tiledmlp::forward_shard"), _shard_scope():
-            outs = call.form.forward_shard(x[start:stop], params, dests)
+            outs = call.form.forward_shard(x[start:stop], params, dests, side, **in_forward)
         if idx == 0:
             for o, leading in zip(outs, call.form.leading_outputs):
                 buf = None if o is None else o.new_empty((*(call.lead_shape if leading else (rows,)), *o.shape[1:]))
@@ -214,12 +253,21 @@ class TiledMLPFunction(torch.autograd.Function):
         ctx.call = call
         ctx.params = params  # by reference, deliberately not saved (see the module's design note)
         ctx.rng = _RngReplay(x.device) if call.form.stochastic else None
-        ctx.autocast = _AutocastReplay()
+        ctx.autocast = AutocastReplay()
         ctx.keeper = keeper
-        if keeper is None:
-            ctx.save_for_backward(x)
-        with record_function("tiledmlp::forward"):
-            outs = _forward_shards(call, x, params)
+        ctx.forward_grads = None
+        if call.form.grads_in_forward:  # see "gradients finished in forward": nothing to keep but them
+            needs_x = ctx.needs_input_grad[1]
+            grads = call.accumulator(params, ctx.needs_input_grad[3:], x.shape[0])
+            dx = torch.empty_like(x) if needs_x else None
+            with record_function("tiledmlp::forward"):
+                outs = _forward_shards(call, x, params, dx, grads)
+            ctx.forward_grads = [dx, *grads.results()]
+        else:
+            if keeper is None:
+                ctx.save_for_backward(x)
+            with record_function("tiledmlp::forward"):
+                outs = _forward_shards(call, x, params)
         # How backward sees each output gradient: [tokens, ...], like the form's shard outputs.
         ctx.rows_shapes = [None if o is None else (x.shape[0], *o.shape[len(call.lead_shape) if leading else 1:])
                            for o, leading in zip(outs, call.form.leading_outputs)]
@@ -231,11 +279,14 @@ class TiledMLPFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
         call: TileCall = ctx.call
+        if call.form.grads_in_forward:
+            dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
+            return (None, dx, None, *param_grads)
         (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else ctx.saved_tensors
         params = ctx.params
         needs_x = ctx.needs_input_grad[1]
         bounds = _shard_bounds(x.shape[0], call.shard_rows)
-        grads = GradAccumulator(params, ctx.needs_input_grad[3:], len(bounds), call.grad_accum_dtype)
+        grads = call.accumulator(params, ctx.needs_input_grad[3:], x.shape[0])
         dx = torch.empty_like(x) if needs_x else None
         grad_outputs = [None if g is None else g.reshape(shape) for g, shape in zip(grad_outputs, ctx.rows_shapes)]
         if all(g is None for g in grad_outputs):  # no output was used: nothing to recompute
@@ -244,11 +295,40 @@ class TiledMLPFunction(torch.autograd.Function):
         with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
             for start, stop in bounds:
                 shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
+                side = tuple(t[start:stop] for t in call.side)
                 with record_function("tiledmlp::backward_shard"), _shard_scope():
                     call.form.backward_shard(
-                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads
+                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side
                     )
         return (None, dx, None, *grads.results())
+
+
+def _hand_out_forward_grads(ctx, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    """The gradients a ``grads_in_forward`` form finished in forward, scaled by the upstream gradient.
+
+    They were computed for ones on every output element; the caller sums the outputs, so the upstream
+    gradient is one value ``c`` everywhere (checked: anything else is refused, never approximated).
+    They are handed out once and not kept, so autograd can make them the ``.grad`` without a copy.
+    """
+    grads = ctx.forward_grads
+    if grads is None:
+        raise RuntimeError("backward ran twice through a tiled node whose gradients were computed in forward "
+                           "(a tiled loss): they were handed out the first time. Recompute the loss for a "
+                           "second backward instead of retain_graph=True.")
+    ctx.forward_grads = None
+    given = [g for g in grad_outputs if g is not None]
+    if not given:
+        return [None] * len(grads)
+    c = given[0].reshape(-1)[:1]
+    uniform, is_one = torch.stack([torch.stack([(g == c).all() for g in given]).all(), (c == 1).all()]).tolist()
+    if not uniform:
+        raise RuntimeError("a tiled node that finishes its gradients in forward got different upstream gradients "
+                           "for its outputs; it needs its outputs summed (tiledmlp's loss functions do this)")
+    if not is_one:
+        for t in grads:
+            if t is not None:
+                t.mul_(c)  # in float32, rounded once to the gradient's dtype
+    return grads
 
 
 def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -260,7 +340,7 @@ def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -
     if not x.is_contiguous():
         x = x.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        if x.requires_grad:
+        if x.requires_grad and not call.form.grads_in_forward:
             x = _InputKeeper.apply(x)
             return TiledMLPFunction.apply(call, x, x.grad_fn, *params)
         return TiledMLPFunction.apply(call, x, None, *params)

@@ -10,6 +10,7 @@ Recognized (outermost match wins, so experts inside a tiled MoE block are not ti
   names (PEFT-LoRA projections, a custom forward) uses the generic form.
 * MoE blocks: a ``experts`` submodule next to a ``gate`` or ``router`` submodule (Mixtral, Qwen-MoE).
 * Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
+* With ``loss=True``, the LM head of every Hugging Face causal LM (``heads.py``): the tiled loss.
 
 Patching sets an instance attribute ``forward`` (the class is never touched) and keeps the previous
 instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
@@ -32,6 +33,8 @@ from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, i
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .forms import GLUForm, GLULayout, Slot, activation_name
 from .function import in_shard
+from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
+                    find_causal_lms, labels_position, patch_owner, unpatch_owner)
 from .runtime import TiledCallSpec, dedupe
 from .sharding import ShardPolicy
 
@@ -39,7 +42,6 @@ __all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "unins
 
 log = logging.getLogger("tiledmlp")
 STATE_ATTR = "_tiledmlp_state"
-_MISSING = object()
 _REGISTERED: list[type] = []
 _ACT_ATTRS = ("act_fn", "activation_fn")
 
@@ -192,7 +194,9 @@ class TilingState:
     spec: TiledCallSpec
     kind: str
     input_name: str
-    saved_forward: Any  # the instance forward before patching, or _MISSING
+    # The instance forward before patching; None when the instance had none (a value, not a sentinel
+    # object, so that copies and pickles of the model still recognize it).
+    saved_forward: Any
     forced: Optional[Strategy]  # a forced (or enable-time-wrapped) strategy; None: detect per call
     # Weak references to the modules from the root to this one, for run-time detection when tiling
     # was enabled before wrapping (fully_shard changes those modules' classes in place). Weak, so a
@@ -222,8 +226,8 @@ def _wrapping_of(path: list[nn.Module], slots: Iterable[Slot]) -> Wrapping:
 
 def _original_forward(module: nn.Module):
     state = module.__dict__.get(STATE_ATTR)
-    saved = state.saved_forward if state is not None else module.__dict__.get("forward", _MISSING)
-    return saved if saved is not _MISSING else types.MethodType(type(module).forward, module)
+    saved = state.saved_forward if state is not None else module.__dict__.get("forward")
+    return saved if saved is not None else types.MethodType(type(module).forward, module)
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
@@ -287,9 +291,29 @@ def _input_name(forward) -> str:
     return params[0].name if params else "hidden_states"
 
 
+def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
+                 label: str) -> tuple[Optional[Strategy], list]:
+    """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module."""
+    path = module_path(model, module)
+    wrapping = _wrapping_of(path, slots)
+    units = owning_units(path, wrapping)
+    if strategy == "auto":
+        forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units)
+    else:
+        forced = validate_forced(strategy, wrapping, label, units)
+    return forced, [weakref.ref(m) for m in path]
+
+
+def _saved_forward(module: nn.Module) -> Any:
+    previous = module.__dict__.get(STATE_ATTR)
+    return previous.saved_forward if previous is not None else module.__dict__.get("forward")
+
+
 def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
-         include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype]) -> dict[str, TilingState]:
-    """Recognize and validate every MLP of ``model`` without changing anything."""
+         include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
+         loss: Optional[LossOptions] = None) -> dict[str, TilingState]:
+    """Recognize and validate every MLP (and, with ``loss``, every causal-LM head) of ``model`` without
+    changing anything."""
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
     for name, module in model.named_modules():
@@ -307,39 +331,74 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
                 "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
                 "above it (e.g. the decoder layer) instead."
             )
-        path = module_path(model, module)
-        wrapping = _wrapping_of(path, rec.slots)
-        units = owning_units(path, wrapping)
-        if strategy == "auto":
-            forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units)
-        else:
-            forced = validate_forced(strategy, wrapping, label, units)
-        previous = module.__dict__.get(STATE_ATTR)
-        saved = previous.saved_forward if previous is not None else module.__dict__.get("forward", _MISSING)
+        forced, path = _strategy_of(model, module, rec.slots, strategy, label)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, glu=rec.glu,
                              is_moe=rec.kind == "moe", grad_accum_dtype=grad_accum_dtype)
-        states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), saved, forced,
-                                   [weakref.ref(m) for m in path])
+        states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), _saved_forward(module),
+                                   forced, path)
+    if loss is not None:
+        states.update(_plan_heads(model, strategy, loss))
+    return states
+
+
+def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[str, TilingState]:
+    lms = find_causal_lms(model)
+    if not lms:
+        raise ValueError(
+            f"loss=True, but {type(model).__name__} has no recognizable LM head: tiledmlp tiles the loss of "
+            "Hugging Face causal LMs (a PreTrainedModel with get_output_embeddings() and transformers' "
+            "ForCausalLMLoss). For another model, call tiledmlp.tiled_linear_cross_entropy(hidden, "
+            "head.weight, labels) in your loss, or enable tiling with loss=False.")
+    states: dict[str, TilingState] = {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for lm_name, lm in lms:
+        head = check_causal_lm(lm_name, lm)
+        name = names[id(head)]
+        label = name or type(head).__name__
+        slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
+        forced, path = _strategy_of(model, head, slots, strategy, label)
+        owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
+        spec = HeadSpec(label, slots, options, owner)
+        states[name] = TilingState(spec, "loss", "input", _saved_forward(head), forced, path)
     return states
 
 
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:
+    """Patch the planned modules. A head (and its model's loss patches) that an earlier call tiled and
+    this plan does not is restored: the last ``enable_tiling`` call says whether the loss is tiled."""
     modules = dict(model.named_modules())
+    for name, module in modules.items():
+        state = module.__dict__.get(STATE_ATTR)
+        if state is not None and state.kind == "loss" and name not in states:
+            _restore(module)
+        owner = module.__dict__.get(OWNER_ATTR)
+        if owner is not None and not any(s.kind == "loss" and s.spec.owner.module_name == name for s in states.values()):
+            unpatch_owner(module)
     for name, state in states.items():
         module = modules[name]
         module.__dict__[STATE_ATTR] = state
-        module.forward = TiledForward(module)
+        if state.kind == "loss":
+            module.forward = TiledHeadForward(state, _original_forward(module))
+            patch_owner(modules[state.spec.owner.module_name], state.spec.owner, state)
+        else:
+            module.forward = TiledForward(module)
+
+
+def _restore(module: nn.Module) -> None:
+    """Undo one module's forward patch."""
+    state = module.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return
+    if state.saved_forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = state.saved_forward
 
 
 def uninstall(model: nn.Module) -> None:
     for _, module in model.named_modules():
-        state = module.__dict__.pop(STATE_ATTR, None)
-        if state is None:
-            continue
-        if state.saved_forward is _MISSING:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = state.saved_forward
+        _restore(module)
+        unpatch_owner(module)
 
 
 def tiled_names(model: nn.Module) -> dict[str, str]:

@@ -18,6 +18,8 @@ generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
 =====================  ==================================================================================
 
+The tiled loss (LM head + cross-entropy) has its own rule, :func:`loss_tile`.
+
 Fewer shards are faster: each is a pass over the weight-gradient accumulators. A shard costs about
 ``2.3 * rows * intermediate`` elements of backward scratch with one intermediate block and half that
 with two, so within one budget two blocks allow shards twice as long; the second block costs narrower
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "glu_scratch_per_token",
-           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT"]
+           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
+           "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
 
 DEFAULT_SCRATCH_MIB = 512
 MAX_AUTO_TILE = 16384  # tokens per backward shard; beyond this, measured no faster (H200, Llama-3-8B MLP)
@@ -173,3 +176,71 @@ class ShardPolicy:
         budget = self._budget_bytes()
         fits = max(1, int(budget // (2 * inter * itemsize)))
         return math.ceil(backward_rows / math.ceil(backward_rows / fits))  # equal parts of a backward shard
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiled loss
+
+DEFAULT_LOSS_SCRATCH_MIB = 256
+LOSS_PARTIAL_MIB = 32  # the head gradient's partial-sum buffer (``GradAccumulator``), inside the budget
+LOSS_MODES = ("auto", "fused", "recompute")
+#: below this many tokens per fused shard, the head gradient's accumulator passes (one per shard, over
+#: the whole vocab x hidden weight) cost more than recomputing the logits once ("recompute" mode)
+MIN_FUSED_ROWS = 512
+_LOSS_ROWS = 4096  # tokens per shard when the vocabulary is chunked
+_LOSS_MIN_CHUNK = 1024  # vocabulary columns per chunk below which shards get fewer tokens instead
+
+
+@dataclass(frozen=True)
+class LossTile:
+    """How one tiled loss call is cut.
+
+    ``fused``: each shard of ``rows`` tokens computes the logits of the whole vocabulary at once (one
+    ``[rows, vocab]`` chunk), its loss and, in the same pass, every gradient (``grads_in_forward``):
+    6 T·H·V FLOP in all, like the untiled loss. Otherwise the vocabulary is cut into chunks of
+    ``vocab_chunk`` columns with an online logsumexp, and backward recomputes the logits (8 T·H·V).
+    """
+
+    rows: int
+    vocab_chunk: int
+    fused: bool
+
+
+def loss_budget_bytes(hidden_bytes: int, scratch_mib: Optional[float] = None) -> int:
+    """The loss's scratch budget: ``scratch_mib`` MiB, or by default the larger of
+    ``DEFAULT_LOSS_SCRATCH_MIB`` and the hidden states' own size."""
+    if scratch_mib is not None:
+        return int(scratch_mib * 2**20)
+    return max(DEFAULT_LOSS_SCRATCH_MIB * 2**20, hidden_bytes)
+
+
+def _align_down(value: int, limit: int) -> int:
+    """``value`` capped at ``limit`` and, when at least ``_ALIGN``, rounded down to a multiple of it."""
+    value = min(value, limit)
+    return value if value < _ALIGN or value == limit else value // _ALIGN * _ALIGN
+
+
+def loss_tile(tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, mode: str = "auto",
+              fusable: bool = True) -> LossTile:
+    """Shards (and vocabulary chunks) of a tiled loss call whose logits take ``itemsize`` bytes.
+
+    ``budget`` (bytes, :func:`loss_budget_bytes`) bounds every logits chunk together with the other
+    scratch of a shard: the head gradient's partial buffer (``LOSS_PARTIAL_MIB``) and, when the
+    vocabulary is chunked, the shard's float32 input-gradient sum. ``fusable``: the caller sums the
+    per-token losses and wants gradients (so they may be finished in forward). ``mode="auto"`` fuses
+    when a fused shard holds at least ``MIN_FUSED_ROWS`` tokens (or all of them).
+    """
+    if mode not in LOSS_MODES:
+        raise ValueError(f"unknown loss mode {mode!r}; choose one of {list(LOSS_MODES)}")
+    tokens = max(tokens, 1)
+    room = max(budget - min(LOSS_PARTIAL_MIB * 2**20, budget // 4), 1)
+    fused_rows = max(1, _align_down(room // (vocab * itemsize), tokens))
+    if fusable and (mode == "fused" or (mode == "auto" and fused_rows >= min(MIN_FUSED_ROWS, tokens))):
+        return LossTile(_equalize(tokens, fused_rows), vocab, True)
+    rows = min(tokens, _LOSS_ROWS)
+    while True:
+        chunk = (room - rows * hidden * 4) // (rows * itemsize)  # the shard's float32 dx sum is scratch too
+        if chunk >= min(_LOSS_MIN_CHUNK, vocab) or rows <= _ALIGN:
+            break
+        rows //= 2
+    return LossTile(_equalize(tokens, rows), max(1, _align_down(chunk, vocab)), False)

@@ -229,11 +229,12 @@ def token_batches(env: Env, steps: int = 3, micro: int = 1, batch: int = 2, voca
     return out
 
 
-def hf_batches(env: Env, vocab: int, steps: int = 3) -> list[list[Batch]]:
+def hf_batches(env: Env, vocab: int, steps: int = 3, micro: int = 1) -> list[list[Batch]]:
     """Hugging Face causal LMs shift the labels themselves: labels are the input ids."""
-    out = token_batches(env, steps, vocab=vocab, names=("input_ids", "labels"))
-    for (b,) in out:
-        b["labels"] = b["input_ids"]
+    out = token_batches(env, steps, micro=micro, vocab=vocab, names=("input_ids", "labels"))
+    for step in out:
+        for b in step:
+            b["labels"] = b["input_ids"]
     return out
 
 

@@ -255,3 +255,52 @@ def test_a_stochastic_form_cannot_cut_its_forward_differently():
     form = ModuleForm(lambda x: x, [], [], 2)
     with pytest.raises(ValueError, match="leave forward_rows None"):
         TileCall(form=form, shard_rows=8, lead_shape=(16,), forward_rows=4)
+
+
+class _DotForm:
+    """A minimal form that finishes its gradients in forward: ``out_t = x_t . w`` (one number per
+    token); for an upstream gradient of ones, ``dx_t = w`` and ``dw = sum_t x_t``."""
+
+    stochastic = False
+    grads_in_forward = True
+    leading_outputs = (True,)
+    returned_tuple = False
+
+    def forward_shard(self, x, params, out=None, side=(), dx_out=None, grads=None):
+        (w,) = params
+        if grads is not None:
+            if dx_out is not None:
+                dx_out.copy_(w.expand_as(x))
+            grads.add(0, x.sum(0))
+        return (x @ w,)
+
+
+def _dot_call(x: torch.Tensor, w: torch.Tensor):
+    from tiledmlp.function import TileCall, run_tiled
+
+    call = TileCall(form=_DotForm(), shard_rows=5, lead_shape=(x.shape[0],))
+    (out,) = run_tiled(call, x, [w])
+    return out
+
+
+def test_gradients_finished_in_forward_are_scaled_by_the_upstream_gradient():
+    x, w = torch.randn(17, 6, requires_grad=True), torch.randn(6, requires_grad=True)
+    (2.5 * _dot_call(x, w).sum()).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (2.5 * (xr @ wr).sum()).backward()
+    assert_close_rel(x.grad, xr.grad, 1e-6, "input grad")
+    assert_close_rel(w.grad, wr.grad, 1e-6, "weight grad")
+
+
+def test_gradients_finished_in_forward_refuse_unequal_upstream_gradients():
+    """They were computed for one upstream value on every output; anything else is an error, not a guess."""
+    x, w = torch.randn(17, 6, requires_grad=True), torch.randn(6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="different upstream gradients.*needs its outputs summed"):
+        (_dot_call(x, w) * torch.arange(17.0)).sum().backward()
+
+
+def test_a_form_with_gradients_in_forward_cannot_cut_its_forward_differently():
+    from tiledmlp.function import TileCall
+
+    with pytest.raises(ValueError, match="finishes its gradients in forward has one cut"):
+        TileCall(form=_DotForm(), shard_rows=8, lead_shape=(16,), forward_rows=4)

@@ -61,7 +61,7 @@ def test_enable_twice_reconfigures_without_double_wrapping():
     tiledmlp.enable_tiling(mlp, num_shards=2)
     tiledmlp.enable_tiling(mlp, num_shards=5)
     state = mlp.__dict__[patching.STATE_ATTR]
-    assert state.saved_forward is patching._MISSING  # the class forward, not our first patch
+    assert state.saved_forward is None  # the class forward, not our first patch
     assert state.spec.policy.num_shards == 5
     tiledmlp.disable_tiling(mlp)
     assert "forward" not in mlp.__dict__
@@ -179,3 +179,19 @@ def test_input_by_keyword_and_empty_input():
     x = torch.randn(1, 10, 32)
     assert_close_rel(mlp(x=x), ref(x), 1e-6, "keyword input")
     assert mlp(torch.randn(1, 0, 32)).shape == (1, 0, 32)
+
+
+@pytest.mark.parametrize("form", ["auto", "generic"])
+def test_copies_of_a_tiled_mlp_can_be_disabled_and_reconfigured(form):
+    """The 'no instance forward before tiling' mark survives deepcopy and pickle (it is None, not a
+    sentinel object that a copy would duplicate)."""
+    mlp = tiledmlp.enable_tiling(llama_mlp(), num_shards=2, form=form)
+    x = torch.randn(2, 9, 32)
+    want = mlp(x)
+    for clone in (copy.deepcopy(mlp), pickle.loads(pickle.dumps(mlp))):
+        assert_close_rel(clone(x), want, 1e-6, "copy")
+        tiledmlp.enable_tiling(clone, num_shards=3, form=form)
+        assert_close_rel(clone(x), want, 1e-6, "reconfigured copy")
+        tiledmlp.disable_tiling(clone)
+        assert "forward" not in clone.__dict__
+        assert_close_rel(clone(x), want, 1e-6, "untiled copy")

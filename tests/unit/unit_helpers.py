@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers as tf
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -70,3 +71,40 @@ def run_interpreted(test_file: str, keyword: str) -> None:
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face model families, tiny random configs built in code
+
+COMMON = dict(hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+              num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, head_dim=8)
+MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
+
+# family: (config class, model class, config extras, expected form of each layer's MLP)
+FAMILIES = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}, "glu"),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}, "glu"),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}, "glu"),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}, "glu"),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {"hidden_act": "gelu_pytorch_tanh"}, "glu"),
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {}, "glu"),
+    "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {}, "glu"),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}, "glu"),
+    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}, "glu"),
+    "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, {}, "glu"),
+    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {}, "glu"),
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, MOE, "moe"),
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, {**MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}, "moe"),
+}
+
+
+def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra, _ = FAMILIES[family]
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return model_cls(config).float()
+
+
+def batch(vocab: int = 96, b: int = 2, t: int = 41, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))

@@ -18,7 +18,9 @@ fsdp2      explicit unshard/reshard. Inside an FSDP2 unit's ``__call__`` the par
            unsharded; when they are not (``apply_tiled_mlp`` on a unit from its parent's forward, or
            nobody re-gathered before this node's backward) the strategy unshards the owning unit
            itself and reshards it afterwards. A unit's ``__call__`` is never entered from a shard
-           (calling it there is refused: its hooks would run per shard).
+           (calling it there is refused: its hooks would run per shard). A tiled LM head that is its
+           own unit is kept gathered from its forward until the loss right after it has run
+           (``hold_gathered``), so the loss needs no second all-gather.
 fsdp1      flat-parameter views (``use_orig_params=False``) or original parameters are read through
            the parameter slots at call time, inside FSDP1's forward; gradients flow into the flat
            parameter once. Nothing else to do.
@@ -31,7 +33,7 @@ never the number or order of collectives, so ranks with different sequence lengt
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -67,6 +69,11 @@ class Strategy:
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
         """Context factory for the recompute in backward (see ``TileCall.around_backward``)."""
         return contextlib.nullcontext
+
+    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        """Called inside ``module``'s forward: keep its parameters gathered past that forward, until the
+        returned release runs (then they are resharded as the wrapper would have). None: nothing held."""
+        return None
 
 
 class PlainStrategy(Strategy):
@@ -160,6 +167,41 @@ class FSDP2Strategy(Strategy):
         # backward (FSDP2's pre-backward hook did not run for the unit): gather here.
         return lambda: _gathered(self.units, any(_storage_freed(p) for p in params))
 
+    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        """Skip the post-forward reshard of ``module``'s own unit (``reshard_after_forward=True``) for
+        this call; the release reshards it and restores the setting.
+
+        Why: a tiled head's loss runs in the parent's forward, after the head's unit resharded. It would
+        have to all-gather the head again, one collective more than the untiled model (whose head
+        gathers in forward and again in backward; the tiled one still gathers in backward, through
+        FSDP2's prefetch). Reshard-to-a-smaller-group settings (an int) are left alone: the loss then
+        gathers again, which is correct, only not minimal.
+        """
+        held = [group for unit in self.units if unit is module for group in _param_groups(unit)
+                if group.post_forward_mesh_info is not None and group.post_forward_mesh_info == group.mesh_info]
+        if not held:
+            return None
+        for group in held:
+            group.post_forward_mesh_info = None  # FSDP2's post-forward reads it: no reshard this time
+
+        def release() -> None:
+            for group in held:
+                group.post_forward_mesh_info = group.mesh_info
+            module.reshard()
+
+        return release
+
+
+def _param_groups(unit: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of a unit (one per ``fully_shard`` call; the attribute was singular
+    before torch 2.10). Empty if this torch's FSDP2 keeps them elsewhere: nothing is held then."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return [g for g in groups if hasattr(g, "post_forward_mesh_info") and hasattr(g, "mesh_info")]
+
 
 class FSDP1Strategy(Strategy):
     """``FullyShardedDataParallel`` (flat or original parameters)."""
@@ -185,6 +227,9 @@ class NoSyncStrategy(Strategy):
 
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
         return self.inner.backward_context(params)
+
+    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        return self.inner.hold_gathered(module)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {

@@ -1,0 +1,222 @@
+"""One long-context training step (forward + backward) of a Llama-3.2-1B-shaped model, per variant and
+sequence length: peak memory and tokens/s. How long a sequence fits on one GPU.
+
+Model: transformers' ``LlamaForCausalLM`` built in code (hidden 2048, intermediate 8192, 16 layers, 32/8
+heads, vocabulary 128256, tied embeddings as Llama-3.2-1B; random weights, bf16, sdpa attention,
+non-reentrant activation checkpointing per decoder layer), one sequence of T tokens, labels = inputs.
+
+Variants (the same model object, re-configured between them):
+
+* ``untiled``     the model as is.
+* ``mlp``         ``tiledmlp.enable_tiling(model)``: tiled MLPs, untiled loss.
+* ``loss``        ``tiledmlp.enable_tiling(model, loss=True)``: tiled MLPs and tiled LM head + loss.
+* ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
+                  forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
+                  hidden states and labels), MLPs untiled.
+* ``mlp+liger``   tiled MLPs and Liger's fused linear cross-entropy.
+
+Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included. Up to
+``--multi-step-max`` tokens a variant takes ``--steps`` steps after one untimed step (median time); beyond,
+one step, timed (a 512K-token step takes minutes).
+
+    python3 benchmarks/bench_longctx.py                                   # 16K..128K, every variant
+    python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432  # does 768K fit?
+    python3 benchmarks/bench_longctx.py --smoke                           # tiny model on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import tiledmlp  # noqa: E402
+from bench_mlp import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+
+VARIANTS = ("untiled", "mlp", "loss", "liger", "mlp+liger")
+LIGER = {"liger", "mlp+liger"}
+COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
+           "transformers", "liger", "tiledmlp", "date")
+FULL = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256)
+SMOKE = dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256)
+
+
+def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=size["hidden"], intermediate_size=size["intermediate"],
+                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                         num_key_value_heads=size["kv_heads"], vocab_size=size["vocab"], tie_word_embeddings=True,
+                         max_position_embeddings=max_tokens, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def configure(model: nn.Module, variant: str) -> None:
+    tiledmlp.disable_tiling(model)
+    if variant in ("mlp", "mlp+liger"):
+        tiledmlp.enable_tiling(model)
+    elif variant == "loss":
+        tiledmlp.enable_tiling(model, loss=True)
+
+
+def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:
+    if variant not in LIGER:
+        return model(input_ids=ids, labels=ids).loss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    hidden = model.model(input_ids=ids).last_hidden_state
+    shifted = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    return LigerFusedLinearCrossEntropyLoss()(model.lm_head.weight, shifted, ids[:, 1:].reshape(-1))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(model: nn.Module, device: torch.device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch.device) -> dict[str, Any]:
+    configure(model, variant)
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    ids = torch.randint(model.config.vocab_size, (1, tokens), generator=gen, device=device)
+    steps = args.steps if tokens <= args.multi_step_max else 1
+    free(model, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], math.nan
+    for i in range(steps + (1 if steps > 1 else 0)):  # an untimed first step when several are timed
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        begin = time.perf_counter()
+        value = loss_of(model, variant, ids)
+        value.backward()
+        sync(device)
+        if steps == 1 or i > 0:
+            times.append(time.perf_counter() - begin)
+        loss = float(value)
+        del value
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    step_s = statistics.median(times)
+    return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss}
+
+
+def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
+    status = None
+    try:
+        return run_variant(model, variant, tokens, args, device)
+    except torch.OutOfMemoryError:
+        status = "oom"
+    except Exception:  # a failing variant must not hide the others' results
+        traceback.print_exc()
+        status = "error"
+    finally:
+        free(model, device)
+    return {"peak_gib": status, "step_s": status, "tokens_per_s": status, "steps": 0, "loss": status}
+
+
+def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axis, metric, label in ((axes[0], "peak_gib", "peak memory (GiB)"), (axes[1], "tokens_per_s", "tokens/s")):
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            points = [(r["T"], r[metric]) for r in rows if r["variant"] == variant and isinstance(r[metric], float)
+                      and math.isfinite(r[metric])]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=variant)
+        tokens = sorted({r["T"] for r in rows})
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
+        axis.set_xlabel("tokens per sequence T")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seq-lens", default=None, help="comma-separated (default 16384,32768,65536,131072)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant up to --multi-step-max")
+    parser.add_argument("--multi-step-max", type=int, default=131072)
+    parser.add_argument("--tag", default="", help="suffix of the output files (e.g. a single large-T run)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
+    args = parser.parse_args(argv)
+    if args.seq_lens is None:
+        args.seq_lens = "64,128" if args.smoke else "16384,32768,65536,131072"
+    args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    variants = args.variants
+    if device.type != "cuda":
+        print("note: skipping the Liger variants on a CPU (its kernels are Triton)")
+        variants = [v for v in variants if v not in LIGER]
+    model = build_model(SMOKE if args.smoke else FULL, max(args.seq_lens), device, dtype)
+    print(f"{gpu_name(device)}: Llama-3.2-1B-shaped model, {dtype}, variants {variants}", flush=True)
+    rows = []
+    for tokens in args.seq_lens:
+        for variant in variants:
+            row = {"variant": variant, "T": tokens, **run_or_record(model, variant, tokens, args, device)}
+            rows.append(row)
+            print(f"  T={tokens:>7} {variant:<10} peak_gib={fmt(row['peak_gib'])} step_s={fmt(row['step_s'])} "
+                  f"tokens_per_s={fmt(row['tokens_per_s'])} loss={fmt(row['loss'])}", flush=True)
+    meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
+            **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rows = [{**meta, **row} for row in rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_longctx_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
+    write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - Llama-3.2-1B-shaped training step, bf16, "
+                                                f"checkpointed layers")
+    print_rows(rows, ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "loss"))
+    print(f"wrote {args.out / stem}.csv and .png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

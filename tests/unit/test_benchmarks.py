@@ -1,0 +1,53 @@
+"""The benchmark scripts run end to end on a CPU (``--smoke``: tiny sizes, float32), write their CSV and
+plot, and what they measure agrees across providers — so a GPU session never finds a broken script."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_loss  # noqa: E402
+import bench_longctx  # noqa: E402
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_bench_loss_smoke(tmp_path):
+    bench_loss.main(["--smoke", "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "bench_loss_cpu_smoke.csv")
+    assert (tmp_path / "bench_loss_cpu_smoke.png").stat().st_size > 0
+    providers = {r["provider"] for r in rows}
+    assert {"hf", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "gemms"} <= providers
+    assert {(r["V"], r["T"]) for r in rows} == {(v, t) for v in ("500", "1000") for t in ("256", "1024")}
+    for row in rows:
+        assert row["gpu_name"] == "cpu" and row["torch"] and row["date"]
+        assert float(row["time_ms"]) > 0
+        if row["provider"] != "gemms":  # float32 on the CPU: every provider near the float64 reference
+            assert max(float(row[k]) for k in ("err_loss", "err_dx", "err_dw")) < 1e-5, row
+    assert {r["mode"].split(":")[0] for r in rows if r["provider"] == "tiledmlp_recompute"} == {"recompute"}
+
+
+def test_bench_longctx_smoke(tmp_path):
+    bench_longctx.main(["--smoke", "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "bench_longctx_cpu_smoke.csv")
+    assert (tmp_path / "bench_longctx_cpu_smoke.png").stat().st_size > 0
+    assert {r["variant"] for r in rows} == {"untiled", "mlp", "loss"}
+    for tokens in {r["T"] for r in rows}:
+        losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
+        assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses  # same model, same loss
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(SystemExit, match="unknown provider"):
+        bench_loss.available(["hf", "magic"], bench_loss.torch.device("cpu"))
+    with pytest.raises(SystemExit, match="unknown variants"):
+        bench_longctx.parse_args(["--variants", "loss,magic"])
