@@ -7,7 +7,9 @@ Providers (the same bf16 hidden states ``x [T, H]``, head weight ``W [V, H]`` an
 * ``cce``                 Apple's Cut Cross-Entropy ``linear_cross_entropy`` (defaults: ``impl="cce"``,
                           ``filter_eps="high"``).
 * ``tiledmlp``            ``tiledmlp.tiled_linear_cross_entropy`` (``mode="auto"``); ``tiledmlp_fused`` and
-                          ``tiledmlp_recompute`` force a mode.
+                          ``tiledmlp_recompute`` force a mode; ``tiledmlp_fp32acc`` sums the head gradient's
+                          shard partials in float32 (``grad_accum_dtype=torch.float32``: 4 bytes per
+                          weight element instead of 2, and cuBLAS adds in its epilogue).
 * ``gemms``               the three GEMMs alone — logits ``x @ W.T``, ``dx = dlogits @ W``,
                           ``dW = dlogits.T @ x`` — in token chunks of up to 16384 (6·T·H·V FLOP): the floor.
 
@@ -43,13 +45,15 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 from bench_mlp import (fmt, gpu_name, gpu_slug, package_version, print_rows, release_memory, settle,  # noqa: E402
                        write_csv_rows)
 
-PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "gemms")
+PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_fp32acc", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
 IMPORTS = {"liger": "liger_kernel.transformers", "cce": "cut_cross_entropy"}
 COLUMNS = ("provider", "V", "T", "H", "dtype", "time_ms", "ratio_vs_hf", "ratio_vs_gemms", "peak_mib",
            "err_loss", "err_dx", "err_dw", "mode", "gpu_name", "torch", "triton", "transformers", "liger", "cce",
            "tiledmlp", "date")
 GEMM_CHUNK = 16384
+TILED_MODES = {"tiledmlp": "auto", "tiledmlp_fused": "fused", "tiledmlp_recompute": "recompute",
+               "tiledmlp_fp32acc": "auto"}
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -74,10 +78,10 @@ def cce_loss() -> Loss:
     return lambda x, w, labels: linear_cross_entropy(x, w, labels)
 
 
-def tiledmlp_loss(mode: str) -> Loss:
+def tiledmlp_loss(mode: str, **options: Any) -> Loss:
     from tiledmlp import tiled_linear_cross_entropy
 
-    return lambda x, w, labels: tiled_linear_cross_entropy(x, w, labels, mode=mode)
+    return lambda x, w, labels: tiled_linear_cross_entropy(x, w, labels, mode=mode, **options)
 
 
 class _ChunkedGemms(torch.autograd.Function):
@@ -115,7 +119,9 @@ def build(provider: str) -> Loss:
         return cce_loss()
     if provider == "gemms":
         return gemms_loss
-    return tiledmlp_loss({"tiledmlp": "auto", "tiledmlp_fused": "fused", "tiledmlp_recompute": "recompute"}[provider])
+    if provider == "tiledmlp_fp32acc":
+        return tiledmlp_loss("auto", grad_accum_dtype=torch.float32)
+    return tiledmlp_loss(TILED_MODES[provider])
 
 
 def tiled_mode(provider: str, tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> str:
@@ -124,7 +130,7 @@ def tiled_mode(provider: str, tokens: int, vocab: int, hidden: int, dtype: torch
         return "n/a"
     from tiledmlp.sharding import loss_budget_bytes, loss_tile
 
-    mode = {"tiledmlp": "auto", "tiledmlp_fused": "fused", "tiledmlp_recompute": "recompute"}[provider]
+    mode = TILED_MODES[provider]
     tile = loss_tile(tokens, vocab, hidden, torch.finfo(dtype).bits // 8,
                      loss_budget_bytes(tokens * hidden * torch.finfo(dtype).bits // 8), mode)
     return f"{'fused' if tile.fused else 'recompute'}:{tile.rows}x{tile.vocab_chunk}"

@@ -269,7 +269,7 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
                                       coef, dtype)
         call = TileCall(form=form, shard_rows=tile.rows, lead_shape=(tokens,),
                         around_backward=strategy.backward_context(params), grad_accum_dtype=grad_accum_dtype,
-                        side=side, partial_mib=LOSS_PARTIAL_MIB)
+                        side=side, partial_mib=tile.partial_mib)
         (per_token,) = run_tiled(call, x, params)
     if spec.reduction == "none":
         return per_token.view(labels.shape)

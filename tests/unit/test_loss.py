@@ -214,10 +214,13 @@ def test_tile_policy():
     # Llama-3 vocabulary, 8K tokens: fused shards of ~800 rows whose bf16 logits fit 256 MiB with the partial
     tile = loss_tile(8192, 128256, 4096, 2, 256 * mib)
     assert tile.fused and tile.vocab_chunk == 128256 and tile.rows * 128256 * 2 <= 224 * mib
-    # Gemma-3 vocabulary, same budget: a fused shard would hold fewer than MIN_FUSED_ROWS tokens
-    tile = loss_tile(8192, 262144, 4096, 2, 256 * mib)
-    assert not tile.fused and tile.rows * (tile.vocab_chunk * 2 + 4096 * 4) <= 224 * mib
-    assert (224 * mib) // (262144 * 2) < MIN_FUSED_ROWS
+    assert tile.partial_mib == 32  # the rest of the budget: the head gradient's partial buffer
+    # Gemma-3 vocabulary, same budget: fused shards of ~450 rows, above MIN_FUSED_ROWS
+    assert loss_tile(8192, 262144, 4096, 2, 256 * mib).fused
+    # a 64 MiB budget: a fused shard would hold fewer than MIN_FUSED_ROWS tokens, so vocabulary chunks
+    tile = loss_tile(8192, 262144, 4096, 2, 64 * mib)
+    assert not tile.fused and tile.rows * (tile.vocab_chunk * 2 + 4096 * 4) + tile.partial_mib * mib <= 64 * mib
+    assert (48 * mib) // (262144 * 2) < MIN_FUSED_ROWS and tile.partial_mib == 16
     assert loss_tile(8192, 262144, 4096, 2, 256 * mib, mode="fused").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, mode="recompute").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, fusable=False).fused

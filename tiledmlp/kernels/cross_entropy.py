@@ -40,7 +40,7 @@ except ImportError:  # Triton is optional: the torch reference has the same math
 __all__ = ["LogitTransform", "ce_finalize", "ce_grad_", "ce_stats_", "new_stats", "stats_dtype"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: torch backend only
-_STATS_BLOCK = 4096
+_STATS_BLOCK = 2048  # per-lane running statistics: BLOCK / (32 * num_warps) lanes' worth per thread
 _GRAD_BLOCK = 2048
 
 

@@ -28,23 +28,30 @@ def ce_stats_kernel(logits_ptr, labels_ptr, stats_ptr, cols, col_start, logits_s
                     scale, softcap, HAS_SOFTCAP: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``r`` streams row ``r`` of one vocabulary chunk and merges its statistics into
     ``stats[:, r]``: running max ``m``, ``sum exp(f - m)``, ``f`` at the label (when the label lies in
-    this chunk) and ``sum f`` (for label smoothing). ``FIRST``: ``stats`` holds nothing yet."""
+    this chunk) and ``sum f`` (for label smoothing). ``FIRST``: ``stats`` holds nothing yet.
+
+    Every lane keeps its own running max and sum over the columns it sees (an online logsumexp per
+    lane); they are combined once, after the loop, so the loop has no cross-thread reduction."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * logits_stride
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    fsum = tl.zeros([], tl.float32)
+    m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
+    s_lane = tl.zeros([BLOCK], tl.float32)
+    f_lane = tl.zeros([BLOCK], tl.float32)
     for start in range(0, cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < cols
         z = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
         f, _ = _transform(z, scale, softcap, HAS_SOFTCAP)
-        fsum += tl.sum(tl.where(mask, f, 0.0), axis=0)
+        f_lane += tl.where(mask, f, 0.0)
         f = tl.where(mask, f, float("-inf"))
-        m_new = tl.maximum(m, tl.max(f, axis=0))
-        # exp(-inf - -inf) would be NaN: a max that did not move rescales by exactly 1.
-        s = s * tl.where(m == m_new, 1.0, tl.exp(m - m_new)) + tl.sum(tl.exp(f - m_new), axis=0)
-        m = m_new
+        m_new = tl.maximum(m_lane, f)
+        # exp(-inf - -inf) would be NaN: a lane whose max is still -inf adds nothing and keeps 0.
+        keep = tl.where(m_lane == m_new, 1.0, tl.exp(m_lane - m_new))
+        s_lane = s_lane * keep + tl.where(mask, tl.exp(f - m_new), 0.0)
+        m_lane = m_new
+    m = tl.max(m_lane, axis=0)
+    s = tl.sum(tl.where(m_lane == float("-inf"), 0.0, s_lane * tl.exp(m_lane - m)), axis=0)
+    fsum = tl.sum(f_lane, axis=0)
     label = tl.load(labels_ptr + row).to(tl.int64) - col_start
     here = (label >= 0) & (label < cols)
     z_label = tl.load(base + tl.where(here, label, 0)).to(tl.float32)
