@@ -7,9 +7,10 @@ Providers (the same bf16 hidden states ``x [T, H]``, head weight ``W [V, H]`` an
 * ``cce``                 Apple's Cut Cross-Entropy ``linear_cross_entropy`` (defaults: ``impl="cce"``,
                           ``filter_eps="high"``).
 * ``tiledmlp``            ``tiledmlp.tiled_linear_cross_entropy`` (``mode="auto"``); ``tiledmlp_fused`` and
-                          ``tiledmlp_recompute`` force a mode; ``tiledmlp_fp32acc`` sums the head gradient's
-                          shard partials in float32 (``grad_accum_dtype=torch.float32``: 4 bytes per
-                          weight element instead of 2, and cuBLAS adds in its epilogue).
+                          ``tiledmlp_recompute`` force a mode; ``tiledmlp_scaled`` sums the head gradient's
+                          shard partials block-scaled in 2 bytes per element (``grad_accum_dtype=None``)
+                          instead of the default float32. (Results before the default became float32 name
+                          the float32 rows ``tiledmlp_fp32acc`` and the block-scaled ones ``tiledmlp``.)
 * ``gemms``               the three GEMMs alone — logits ``x @ W.T``, ``dx = dlogits @ W``,
                           ``dW = dlogits.T @ x`` — in token chunks of up to 16384 (6·T·H·V FLOP): the floor.
 
@@ -45,7 +46,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 from bench_mlp import (fmt, gpu_name, gpu_slug, package_version, print_rows, release_memory, settle,  # noqa: E402
                        write_csv_rows)
 
-PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_fp32acc", "gemms")
+PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
 IMPORTS = {"liger": "liger_kernel.transformers", "cce": "cut_cross_entropy"}
 COLUMNS = ("provider", "V", "T", "H", "dtype", "time_ms", "ratio_vs_hf", "ratio_vs_gemms", "peak_mib",
@@ -53,7 +54,7 @@ COLUMNS = ("provider", "V", "T", "H", "dtype", "time_ms", "ratio_vs_hf", "ratio_
            "tiledmlp", "date")
 GEMM_CHUNK = 16384
 TILED_MODES = {"tiledmlp": "auto", "tiledmlp_fused": "fused", "tiledmlp_recompute": "recompute",
-               "tiledmlp_fp32acc": "auto"}
+               "tiledmlp_scaled": "auto"}
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -119,8 +120,8 @@ def build(provider: str) -> Loss:
         return cce_loss()
     if provider == "gemms":
         return gemms_loss
-    if provider == "tiledmlp_fp32acc":
-        return tiledmlp_loss("auto", grad_accum_dtype=torch.float32)
+    if provider == "tiledmlp_scaled":
+        return tiledmlp_loss("auto", grad_accum_dtype=None)
     return tiledmlp_loss(TILED_MODES[provider])
 
 

@@ -41,7 +41,7 @@ __version__ = "0.1.0"
 
 _FORMS = ("auto", "generic")
 _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
-            "loss_scratch_mib", "loss_mode")
+            "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype")
 
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: bool = False,
@@ -79,6 +79,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             rest of a shard's scratch (default: the larger of 256 MiB and the hidden states' size).
         loss_mode: ``"auto"``, ``"fused"`` (gradients finished in forward: no logits recompute) or
             ``"recompute"`` (vocabulary chunks, logits recomputed in backward); see ``tiledmlp.loss``.
+        loss_grad_accum_dtype: how the head gradient's shard partials are summed: ``torch.float32``
+            (default, exact) or ``None`` (block-scaled float16 in 2 bytes per element; less exact with
+            many shards). See ``tiledmlp.loss``.
 
     Returns the same ``model``. Calling it again re-configures (never double-wraps; the loss is tiled
     if the last call asked for it). On error nothing is changed.
@@ -111,7 +114,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
                          inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be True or False, got {loss!r}")
-    loss_options = _loss_options(options, accum) if loss else None
+    loss_options = _loss_options(options) if loss else None
 
     states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
                   loss_options)
@@ -127,13 +130,16 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     return model
 
 
-def _loss_options(options: dict[str, Any], accum: Optional[torch.dtype]) -> LossOptions:
+def _loss_options(options: dict[str, Any]) -> LossOptions:
     scratch = options.get("loss_scratch_mib")
     if scratch is not None and (isinstance(scratch, bool) or not isinstance(scratch, (int, float)) or scratch <= 0):
         raise ValueError(f"loss_scratch_mib must be a positive number of MiB or None, got {scratch!r}")
     mode = options.get("loss_mode", "auto")
     if mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")
+    accum = options.get("loss_grad_accum_dtype", torch.float32)
+    if accum is not None and not (isinstance(accum, torch.dtype) and accum.is_floating_point):
+        raise TypeError(f"loss_grad_accum_dtype must be a floating torch.dtype or None, got {accum!r}")
     return LossOptions(scratch, mode, accum)
 
 

@@ -50,11 +50,11 @@ def _causal_lm_loss() -> Optional[Callable[..., torch.Tensor]]:
 
 @dataclass(frozen=True)
 class LossOptions:
-    """``enable_tiling``'s loss options: ``loss_scratch_mib``, ``loss_mode``, ``grad_accum_dtype``."""
+    """``enable_tiling``'s loss options: ``loss_scratch_mib``, ``loss_mode``, ``loss_grad_accum_dtype``."""
 
     scratch_mib: Optional[float] = None
     mode: str = "auto"
-    grad_accum_dtype: Optional[torch.dtype] = None
+    grad_accum_dtype: Optional[torch.dtype] = torch.float32
 
 
 @dataclass

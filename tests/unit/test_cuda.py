@@ -108,7 +108,8 @@ def _untiled_loss(x, w, labels):
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 def test_loss_bf16_error_against_float64_on_gpu(mode):
-    """Loss, input and head gradients within 1.15x the untiled bf16 loss's error, many shards (16 MiB)."""
+    """Loss, input and head gradients within 1.15x the untiled bf16 loss's error, many shards (16 MiB),
+    with the default (float32) head-gradient sums."""
     x, w, labels = _loss_inputs()
     tiled = lambda a, b, c: tiledmlp.tiled_linear_cross_entropy(a, b, c, scratch_mib=16, mode=mode)  # noqa: E731
     want = _loss_grads(_untiled_loss, x, w, labels, torch.float64)
@@ -118,10 +119,12 @@ def test_loss_bf16_error_against_float64_on_gpu(mode):
         assert e_t <= 1.15 * e_u + 1e-7, (e_t, e_u)
 
 
+@pytest.mark.parametrize("accum, accum_bytes", [(torch.float32, 4 + 2), (None, 2)], ids=["float32", "scaled"])
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
-def test_loss_peak_memory_bound(mode):
-    """Peak above the inputs: at most two [tokens, hidden] activations' bytes, the head gradient and the
-    scratch budget; the untiled loss needs several [tokens, vocab] tensors."""
+def test_loss_peak_memory_bound(mode, accum, accum_bytes):
+    """Peak above the inputs: at most two [tokens, hidden] activations' bytes, the head gradient's
+    accumulator (float32, and the bf16 gradient it becomes; or block-scaled in the gradient's 2 bytes)
+    and the scratch budget; the untiled loss needs several [tokens, vocab] tensors."""
     x, w, labels = _loss_inputs()
     x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
     budget = 16 * 2**20
@@ -139,8 +142,9 @@ def test_loss_peak_memory_bound(mode):
         x.grad = w.grad = None
         return used
 
-    tiled = peak(lambda a, b, c: tiledmlp.tiled_linear_cross_entropy(a, b, c, scratch_mib=16, mode=mode))
-    bound = 2 * x.numel() * x.element_size() + w.numel() * w.element_size() + budget
+    tiled = peak(lambda a, b, c: tiledmlp.tiled_linear_cross_entropy(a, b, c, scratch_mib=16, mode=mode,
+                                                                     grad_accum_dtype=accum))
+    bound = 2 * x.numel() * x.element_size() + w.numel() * accum_bytes + budget
     assert tiled <= bound, (tiled, bound)
     assert tiled < 0.25 * peak(_untiled_loss)
 

@@ -98,19 +98,23 @@ def test_fused_needs_a_summed_loss():
         tiled_linear_cross_entropy(x, w, labels, reduction="none", mode="fused")
 
 
+@pytest.mark.parametrize("accum, factor", [(torch.float32, 1.15), (None, 1.5)], ids=["float32", "scaled"])
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
-def test_bf16_within_the_untiled_bf16_error(mode):
+def test_bf16_within_the_untiled_bf16_error(mode, accum, factor):
     """Loss, input and head gradients of bf16 inputs: no further from float64 than the untiled bf16 loss
-    (bf16 logits, float32 cross-entropy) is, within 15%. Many shards and chunks: 2048 tokens, 1000 classes."""
+    (bf16 logits, float32 cross-entropy) is, within 15% with the default float32 head-gradient sums
+    (within 50% with the opt-in block-scaled ones, which round every shard's bf16 partial). Many shards
+    and chunks: 2048 tokens, 1000 classes."""
     x, w, b, labels = inputs(torch.bfloat16, seed=3, t=2048, h=64, v=1000)
-    tiled = run(tiled_linear_cross_entropy, x, w, b, labels, False, scratch_mib=0.25, mode=mode)
+    tiled = run(tiled_linear_cross_entropy, x, w, b, labels, False, scratch_mib=0.25, mode=mode,
+                grad_accum_dtype=accum)
     untiled = run(_ref, x, w, b, labels, False)
     exact = run(_ref, x.double(), w.double(), b.double(), labels, False)
     for name, got, base, want in zip(("loss", "dx", "dW"), [tiled[0], *tiled[1]], [untiled[0], *untiled[1]],
                                      [exact[0], *exact[1]]):
         assert got.dtype == base.dtype
         err, base_err = rel_err(got, want), rel_err(base, want)
-        assert err <= 1.15 * base_err + 1e-7, f"{name}: tiled {err:.3e}, untiled {base_err:.3e}"
+        assert err <= (factor if name == "dW" else 1.15) * base_err + 1e-7, f"{name}: tiled {err:.3e}, untiled {base_err:.3e}"
 
 
 @pytest.mark.parametrize("num_items", [150, "tensor"])
