@@ -46,7 +46,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_mlp import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
+                       print_rows, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
@@ -148,19 +149,8 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for axis, metric, label in ((axes[0], "peak_gib", "peak memory (GiB)"), (axes[1], "tokens_per_s", "tokens/s")):
-        for variant in dict.fromkeys(r["variant"] for r in rows):
-            points = [(r["T"], r[metric]) for r in rows if r["variant"] == variant and isinstance(r[metric], float)
-                      and math.isfinite(r[metric])]
-            if points:
-                axis.plot(*zip(*points), marker="o", label=variant)
-        tokens = sorted({r["T"] for r in rows})
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
-        axis.set_xlabel("tokens per sequence T")
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize=8)
+        plot_lines(axis, rows, metric, "variant")
+        format_tokens_axis(axis, sorted({r["T"] for r in rows}), "tokens per sequence T", label, log_y=False)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -43,8 +43,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
-from bench_mlp import (fmt, gpu_name, gpu_slug, package_version, print_rows, release_memory, settle,  # noqa: E402
-                       write_csv_rows)
+from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
+                       print_rows, release_memory, settle, write_csv_rows)
 
 PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
@@ -298,22 +298,10 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     for i, vocab in enumerate(vocabs):
         for j, (metric, label) in enumerate((("time_ms", "forward+backward (ms)"),
                                              ("peak_mib", "peak above inputs (MiB)"))):
-            axis = axes[i][j]
-            for provider in dict.fromkeys(r["provider"] for r in rows):
-                points = [(r["T"], r[metric]) for r in rows if r["V"] == vocab and r["provider"] == provider
-                          and isinstance(r[metric], float) and math.isfinite(r[metric])]
-                if points:
-                    axis.plot(*zip(*points), marker="o", label=provider)
-            tokens = sorted({r["T"] for r in rows})
-            axis.set_xscale("log", base=2)
-            axis.set_yscale("log")
-            axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
-            axis.set_xlabel("tokens T")
-            axis.set_ylabel(label)
-            axis.set_title(f"V = {vocab}")
-            axis.grid(True, which="both", alpha=0.3)
-            if axis.get_legend_handles_labels()[0]:
-                axis.legend(fontsize=8)
+            of_vocab = [r for r in rows if r["V"] == vocab]
+            plot_lines(axes[i][j], of_vocab, metric, "provider")
+            format_tokens_axis(axes[i][j], sorted({r["T"] for r in of_vocab}), "tokens T", label, log_y=True)
+            axes[i][j].set_title(f"V = {vocab}")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -573,24 +573,34 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for metric, axis, label in (("time_ms", axes[0], "forward+backward time (ms)"),
                                 ("peak_mib", axes[1], "peak memory above inputs (MiB)")):
-        for provider in dict.fromkeys(row["provider"] for row in rows):
-            points = [(r["T"], r[metric]) for r in rows
-                      if r["provider"] == provider and isinstance(r[metric], float) and math.isfinite(r[metric])]
-            if points:
-                axis.plot(*zip(*points), marker="o", label=provider)
-        tokens = sorted({row["T"] for row in rows})
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
-        axis.set_xlabel("tokens T")
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend()
+        plot_lines(axis, rows, metric, "provider")
+        format_tokens_axis(axis, sorted({row["T"] for row in rows}), "tokens T", label, log_y=True)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_lines(axis: Any, rows: list[dict[str, Any]], metric: str, series: str) -> None:
+    """One line of ``metric`` against ``T`` per value of ``rows[series]``; OOM/error/NaN points left out."""
+    for name in dict.fromkeys(row[series] for row in rows):
+        points = [(r["T"], r[metric]) for r in rows
+                  if r[series] == name and isinstance(r[metric], float) and math.isfinite(r[metric])]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=name)
+
+
+def format_tokens_axis(axis: Any, tokens: list[int], xlabel: str, ylabel: str, log_y: bool) -> None:
+    """A log2 token axis labelled 8K, 32K, ...; grid; legend when there are lines."""
+    axis.set_xscale("log", base=2)
+    if log_y:
+        axis.set_yscale("log")
+    axis.set_xticks(tokens, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in tokens])
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.grid(True, which="both", alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -31,7 +31,7 @@ from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
 from .kernels import glu_backward_, glu_forward
 from .sharding import chunk_bounds, dh_blocks
 
-__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "swapped"]
+__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "is_plain_linear", "swapped"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ def swapped(slots: Sequence[Slot], tensors: Sequence[torch.Tensor]) -> Iterator[
     finally:
         for table, name, old in reversed(undo):
             table[name] = old
+
+
+def is_plain_linear(m: Any) -> bool:
+    """An ``nn.Linear`` computing ``F.linear(x, weight, bias)`` (not a subclass with its own forward)."""
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward)
 
 
 def _as_leaves(params: Sequence[torch.Tensor], needs: Sequence[bool]) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .forms import Slot
+from .forms import Slot, is_plain_linear
 from .function import in_shard
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
 from .loss import CrossEntropySpec, linear_cross_entropy
@@ -115,12 +115,9 @@ class HeadSpec:
 # Recognition
 
 
-def _plain_linear(m: Any) -> bool:
-    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward)
-
-
 def find_causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost modules of ``model`` with a transformers causal-LM loss and an output embedding."""
+    """Outermost modules of ``model`` that own a ``loss_function`` (a transformers ``PreTrainedModel``)
+    and an output embedding; :func:`check_causal_lm` then says whether their loss can be tiled."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name == n or name.startswith(n + ".") or n == "" for n, _ in found):
@@ -135,7 +132,7 @@ def check_causal_lm(name: str, module: nn.Module) -> nn.Linear:
     """The head of a causal LM that can be tiled; ``ValueError`` naming the fix otherwise."""
     label = name or type(module).__name__
     head = module.get_output_embeddings()
-    if not _plain_linear(head):
+    if not is_plain_linear(head):
         raise ValueError(
             f"{label}: its output layer is a {type(head).__name__}, not a plain nn.Linear (a LoRA- or "
             "quantization-wrapped head?); the tiled loss computes the head itself and cannot reproduce it. "
@@ -243,8 +240,6 @@ class TiledCausalLMLoss:
         if shift_labels is None:
             if not isinstance(labels, torch.Tensor):
                 raise ValueError(f"{owner.name}: labels must be a tensor of token ids, got {type(labels).__name__}")
-            if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-                raise ValueError(f"{owner.name}: labels must be integer token ids (torch.long), got {labels.dtype}")
             labels = F.pad(labels, (0, 1), value=ignore_index)  # ForCausalLMLoss: tokens < n predict n
             shift_labels = labels[..., 1:]
         shift_labels = shift_labels.to(logits.device)

@@ -31,7 +31,7 @@ from torch import nn
 from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
                                   module_path)
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
-from .forms import GLUForm, GLULayout, Slot, activation_name
+from .forms import GLUForm, GLULayout, Slot, activation_name, is_plain_linear
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
@@ -99,10 +99,6 @@ def _flatparam_slots(module: nn.Module, root: nn.Module) -> list[Slot]:
     ]
 
 
-def _plain_linear(m: Any) -> bool:
-    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward)
-
-
 def _glu_layout(module: nn.Module, slots: list[Slot]) -> Optional[tuple[str, GLULayout]]:
     """The GLU layout over ``slots`` if the module is structurally a plain-Linear GLU."""
     act = next((getattr(module, a) for a in _ACT_ATTRS if hasattr(module, a)), None)
@@ -110,7 +106,7 @@ def _glu_layout(module: nn.Module, slots: list[Slot]) -> Optional[tuple[str, GLU
     fused = hasattr(module, "gate_up_proj")
     names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
     linears = [getattr(module, n, None) for n in names]
-    if activation is None or not all(_plain_linear(m) for m in linears):
+    if activation is None or not all(is_plain_linear(m) for m in linears):
         return None
     where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
 
@@ -225,9 +221,14 @@ def _wrapping_of(path: list[nn.Module], slots: Iterable[Slot]) -> Wrapping:
 
 
 def _original_forward(module: nn.Module):
-    state = module.__dict__.get(STATE_ATTR)
-    saved = state.saved_forward if state is not None else module.__dict__.get("forward")
+    saved = _saved_forward(module)
     return saved if saved is not None else types.MethodType(type(module).forward, module)
+
+
+def _saved_forward(module: nn.Module) -> Any:
+    """The instance forward ``module`` had before tiling (kept by its state when it is tiled), or None."""
+    previous = module.__dict__.get(STATE_ATTR)
+    return previous.saved_forward if previous is not None else module.__dict__.get("forward")
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
@@ -302,11 +303,6 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
     else:
         forced = validate_forced(strategy, wrapping, label, units)
     return forced, [weakref.ref(m) for m in path]
-
-
-def _saved_forward(module: nn.Module) -> Any:
-    previous = module.__dict__.get(STATE_ATTR)
-    return previous.saved_forward if previous is not None else module.__dict__.get("forward")
 
 
 def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],

@@ -14,11 +14,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from common import (
-    ApplyInForwardMLP, Block, Env, ForwardApplyBlock, GLUMLP, Recipe, TinyLM, compare, enable, fsdp2_sync, registry,
-    token_batches, total_update_error, train, untiled_vs_tiled, use_apply,
+    ApplyInForwardMLP, Block, Env, ForwardApplyBlock, GLUMLP, Recipe, TinyLM, enable, fsdp2_sync,
+    mixed_precision_metrics, registry, token_batches, untiled_vs_tiled, use_apply,
 )
 
 CASES, case = registry()
@@ -145,17 +145,7 @@ def fsdp2_apply_tiled_mlp_in_unit_forward(env: Env) -> dict[str, Any]:
 
 
 def _mixed_precision(env: Env, unit: type) -> dict[str, Any]:
-    """bf16 parameters, fp32 gradient reduction. bf16 training differs from fp32 by its own rounding
-    noise, so the tiled run is judged against that noise: both bf16 runs are compared with an fp32
-    untiled run (``bf16_noise``: untiled; ``tiled_error``: tiled)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    reference = train(fsdp2_lm(env, unit), env, tiled=False)
-    recipe = fsdp2_lm(env, unit, mp_policy=policy)
-    untiled, tiled = train(recipe, env, tiled=False), train(recipe, env, tiled=True)
-    metrics = compare(untiled, tiled)
-    metrics["bf16_noise"] = total_update_error(untiled, reference)
-    metrics["tiled_error"] = total_update_error(tiled, reference)
-    return metrics
+    return mixed_precision_metrics(env, lambda **options: fsdp2_lm(env, unit, **options))
 
 
 @case

@@ -16,14 +16,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from cases_ddp import ddp
 from cases_fsdp1 import fsdp1
-from common import Env, Recipe, compare, ddp_sync, enable, fsdp2_sync, hf_batches, registry, total_update_error, \
-    train, untiled_vs_tiled
+from common import (Env, Recipe, ddp_sync, enable, fsdp2_sync, hf_batches, mixed_precision_metrics, registry,
+                    untiled_vs_tiled)
 
 CASES, case = registry()
 VOCAB = 96
@@ -158,16 +158,7 @@ def loss_fsdp2_tile_before_wrap(env: Env) -> dict[str, Any]:
 
 
 def _mixed_precision(env: Env, head_unit: bool, tied: bool) -> dict[str, Any]:
-    """bf16 parameters, fp32 reduction: the tiled run is judged against the untiled bf16 run's own
-    distance from an fp32 run (as the MLP's mixed-precision cases)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    reference = train(_recipe(env, fsdp2_llama(env, head_unit), tied=tied), env, tiled=False)
-    recipe = _recipe(env, fsdp2_llama(env, head_unit, mp_policy=policy), tied=tied)
-    untiled, tiled = train(recipe, env, tiled=False), train(recipe, env, tiled=True)
-    metrics = compare(untiled, tiled)
-    metrics["bf16_noise"] = total_update_error(untiled, reference)
-    metrics["tiled_error"] = total_update_error(tiled, reference)
-    return metrics
+    return mixed_precision_metrics(env, lambda **options: _recipe(env, fsdp2_llama(env, head_unit, **options), tied=tied))
 
 
 @case

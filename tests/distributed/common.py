@@ -542,3 +542,19 @@ def compare(ref: Run, got: Run) -> dict[str, Any]:
 def untiled_vs_tiled(recipe: Recipe, env: Env) -> dict[str, Any]:
     """The standard case: train untiled and tiled under the same wrapper and compare."""
     return compare(train(recipe, env, tiled=False), train(recipe, env, tiled=True))
+
+
+def mixed_precision_metrics(env: Env, recipe_with: Callable[..., Recipe]) -> dict[str, Any]:
+    """bf16 parameters, fp32 gradient reduction (FSDP2 ``MixedPrecisionPolicy``). bf16 training differs
+    from fp32 by its own rounding noise, so the tiled run is judged against that noise: both bf16 runs
+    are compared with an fp32 untiled run (``bf16_noise``: untiled; ``tiled_error``: tiled).
+    ``recipe_with(**wrapper_options)`` builds the case's recipe."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    reference = train(recipe_with(), env, tiled=False)
+    recipe = recipe_with(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    untiled, tiled = train(recipe, env, tiled=False), train(recipe, env, tiled=True)
+    metrics = compare(untiled, tiled)
+    metrics["bf16_noise"] = total_update_error(untiled, reference)
+    metrics["tiled_error"] = total_update_error(tiled, reference)
+    return metrics

@@ -151,6 +151,16 @@ def assert_matches_untiled(metrics: list[dict[str, Any]], strategy: Optional[str
     assert_tiled_like_untiled(metrics, strategy, collectives)
 
 
+def assert_within_bf16_noise(metrics: list[dict[str, Any]], strategy: str) -> None:
+    """bf16 mixed precision (``common.mixed_precision_metrics``): the tiled bf16 run is no further from an
+    fp32 run than the untiled bf16 run is (``bf16_noise``), with a 1.5x margin; and it ran like untiled."""
+    assert_tiled_like_untiled(metrics, strategy)
+    for rank, m in enumerate(metrics):
+        assert m["bf16_noise"] > 0, f"rank {rank}: bf16 run identical to fp32: mixed precision is not on"
+        assert m["tiled_error"] <= 1.5 * m["bf16_noise"], (
+            f"rank {rank}: tiled bf16 is {m['tiled_error']:.3g} from fp32, untiled bf16 {m['bf16_noise']:.3g}")
+
+
 def assert_syncs_only_on_last_micro_batch(metrics: list[dict[str, Any]], sync_collective: str) -> None:
     """Gradient accumulation: ``sync_collective`` (the one that reduces gradients) runs on the last
     micro-batch of every step and on no other; where the wrapper keeps local gradients in ``.grad``

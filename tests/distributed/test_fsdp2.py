@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from .harness import (
-    assert_all_checked, assert_matches_untiled, assert_syncs_only_on_last_micro_batch, assert_tiled_like_untiled,
+    assert_all_checked, assert_matches_untiled, assert_syncs_only_on_last_micro_batch, assert_within_bf16_noise,
     launch,
 )
 
@@ -59,14 +59,7 @@ def test_reshard_after_forward_int(suite_of_four):
 
 @pytest.mark.parametrize("case", MIXED_PRECISION)
 def test_mixed_precision_within_bf16_noise(suite, case):
-    """bf16 parameters, fp32 reduction: the tiled run is no further from an fp32 run than the untiled
-    bf16 run is (``bf16_noise``), with a 1.5x margin."""
-    metrics = suite.metrics(case)
-    assert_tiled_like_untiled(metrics, "fsdp2")
-    for rank, m in enumerate(metrics):
-        assert m["bf16_noise"] > 0, f"rank {rank}: bf16 run identical to fp32: mixed precision is not on"
-        assert m["tiled_error"] <= 1.5 * m["bf16_noise"], (
-            f"rank {rank}: tiled bf16 is {m['tiled_error']:.3g} from fp32, untiled bf16 {m['bf16_noise']:.3g}")
+    assert_within_bf16_noise(suite.metrics(case), "fsdp2")
 
 
 def test_every_case_checked(suite):

@@ -193,8 +193,8 @@ class FSDP2Strategy(Strategy):
 
 
 def _param_groups(unit: nn.Module) -> list[Any]:
-    """The FSDP2 parameter groups of a unit (one per ``fully_shard`` call; the attribute was singular
-    before torch 2.10). Empty if this torch's FSDP2 keeps them elsewhere: nothing is held then."""
+    """The FSDP2 parameter groups of a unit (a list in recent torch, a single ``_fsdp_param_group`` in
+    older releases). Empty if this torch's FSDP2 keeps them elsewhere: nothing is held then."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
