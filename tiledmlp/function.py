@@ -263,6 +263,7 @@ class TiledMLPFunction(torch.autograd.Function):
             with record_function("tiledmlp::forward"):
                 outs = _forward_shards(call, x, params, dx, grads)
             ctx.forward_grads = [dx, *grads.results()]
+            ctx.call = ctx.params = None  # backward needs neither: release the form's scratch and side inputs
         else:
             if keeper is None:
                 ctx.save_for_backward(x)
@@ -278,8 +279,8 @@ class TiledMLPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
-        call: TileCall = ctx.call
-        if call.form.grads_in_forward:
+        call: Optional[TileCall] = ctx.call
+        if call is None:  # the gradients were finished in forward
             dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
             return (None, dx, None, *param_grads)
         (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else ctx.saved_tensors

@@ -88,10 +88,9 @@ class _Fold:
     b: float = 1.0
 
     def then(self, op: Any, value: Optional[float]) -> Optional["_Fold"]:
+        """After a tanh (``value`` None) or a scaling by ``value``; None: tanh of a tanh."""
         if op is aten.tanh.default:
             return None if self.tanh else _Fold(self.a, True, 1.0)
-        if value is None:  # an upcast: the loss computes in float32 anyway
-            return self
         return _Fold(self.a, True, self.b * value) if self.tanh else _Fold(self.a * value, False, 1.0)
 
     def transform(self) -> Optional[LogitTransform]:
@@ -197,24 +196,26 @@ def _scalar(value: Any) -> Optional[float]:
 
 
 def _fold_step(self: LazyLogits, func: Any, rest: tuple, kwargs: dict) -> Optional[LazyLogits]:
-    """The lazy result of a scaling, tanh or upcast of ``self``; None when the op must materialize."""
+    """The lazy result of a scaling, tanh or upcast of ``self``; None when the op must materialize
+    (another op, or a chain the loss cannot represent, such as tanh twice or a negative softcap)."""
     fold = self._lazy.fold
     if fold is None:
         return None
+    folded, dtype = None, self.dtype
     if func in _SCALINGS and len(rest) == 1 and not kwargs:
         value = _scalar(rest[0])
-        if value is None or value == 0:
-            return None
-        dtype = func(torch.empty(1, dtype=self.dtype, device="meta"), *rest).dtype
-        return self._derived(func, rest, kwargs, fold.then(func, 1.0 / value if _SCALINGS[func] else value), dtype)
-    if func is aten.tanh.default and not rest and not kwargs:
-        return self._derived(func, rest, kwargs, fold.then(func, None), self.dtype)
-    if func is aten._to_copy.default and not rest and set(kwargs) == {"dtype"}:
+        if value is not None and value != 0:
+            folded = fold.then(func, 1.0 / value if _SCALINGS[func] else value)
+            dtype = func(torch.empty(1, dtype=self.dtype, device="meta"), *rest).dtype
+    elif func is aten.tanh.default and not rest and not kwargs:
+        folded = fold.then(func, None)
+    elif func is aten._to_copy.default and not rest and set(kwargs) == {"dtype"}:
         dtype = kwargs["dtype"]
-        widens = dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(self.dtype).bits
-        if widens:  # exact, and the loss works in float32 already
-            return self._derived(func, rest, kwargs, fold.then(func, None), dtype)
-    return None
+        if dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(self.dtype).bits:
+            folded = fold  # an upcast is exact, and the loss computes in float32 anyway
+    if folded is None or folded.transform() is None:
+        return None
+    return self._derived(func, rest, kwargs, folded, dtype)
 
 
 class _LazyHead(torch.autograd.Function):

@@ -35,13 +35,21 @@ def _check_log(proc: subprocess.CompletedProcess, steps: int = 4) -> str:
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_compare_passes(wrap: str) -> None:
-    """``--wrap ddp --tiling auto --compare`` is the README's main command."""
-    proc = run_train("--wrap", wrap, "--tiling", "auto", "--compare")
+    """``--wrap ddp --tiling auto --compare --loss-scratch-mib 0.05`` is the README's main command: the MLPs
+    and the LM head + loss tiled, each call in several shards."""
+    proc = run_train("--wrap", wrap, "--tiling", "auto", "--compare", "--loss-scratch-mib", "0.05")
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
     out = _check_log(proc)
-    tiled = re.search(rf"^\[tiled\] tiled 2 MLPs, strategies \['{wrap}'\], (\d+) shards", out, re.M)
-    assert tiled and int(tiled.group(1)) >= 2, out
+    tiled = re.search(rf"^\[tiled\] tiled 2 MLPs and the LM head \+ loss, strategies \['{wrap}'\], (\d+) shards "
+                      r".*; loss in (\d+) shards", out, re.M)
+    assert tiled and int(tiled.group(1)) >= 2 and int(tiled.group(2)) >= 2, out
     assert re.search(r"^compare: max relative parameter difference .* -> OK", out, re.M), out
+
+
+def test_loss_tiling_can_be_turned_off() -> None:
+    proc = run_train("--wrap", "ddp", "--tiling", "auto", "--compare", "--tile-loss", "off")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
+    assert re.search(r"^\[tiled\] tiled 2 MLPs, strategies \['ddp'\], \d+ shards [^;]*$", _check_log(proc), re.M)
 
 
 def test_compare_fails_above_tolerance() -> None:

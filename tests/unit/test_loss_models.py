@@ -313,3 +313,15 @@ def test_an_op_the_loss_cannot_fold_is_refused():
         model(input_ids=batch(), labels=batch())
     out = model(input_ids=batch())  # without labels: the real logits, hook applied
     assert type(out.logits) is torch.Tensor
+
+
+@pytest.mark.parametrize("ops", ["tanh_twice", "negative_cap"])
+def test_a_transform_the_loss_cannot_represent_is_refused(ops):
+    """A chain of scalings and tanh that is no softcap: materialized, so the loss refuses it."""
+    model = tiled_copy(build_lm("llama"))
+    if ops == "tanh_twice":
+        model.lm_head.register_forward_hook(lambda module, args, out: torch.tanh(torch.tanh(out)))
+    else:
+        model.lm_head.register_forward_hook(lambda module, args, out: torch.tanh(out / 4.0) * -4.0)
+    with pytest.raises(ValueError, match=r"applies aten\.(tanh|mul)\.\w+ to its logits"):
+        model(input_ids=batch(), labels=batch())
