@@ -47,7 +47,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
-                       print_rows, write_csv_rows)
+                       print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
@@ -142,19 +142,12 @@ def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
 
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for axis, metric, label in ((axes[0], "peak_gib", "peak memory (GiB)"), (axes[1], "tokens_per_s", "tokens/s")):
+    fig, axes = subplots(1, 2, (12, 4.5))
+    for axis, metric, label in ((axes[0][0], "peak_gib", "peak memory (GiB)"),
+                                (axes[0][1], "tokens_per_s", "tokens/s")):
         plot_lines(axis, rows, metric, "variant")
         format_tokens_axis(axis, sorted({r["T"] for r in rows}), "tokens per sequence T", label, log_y=False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -43,8 +43,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
-from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
-                       print_rows, release_memory, settle, write_csv_rows)
+from bench_mlp import (cuda_median_ms, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
+                       plot_lines, print_rows, release_memory, save_figure, subplots, write_csv_rows)
 
 PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
@@ -200,21 +200,17 @@ def step(loss_fn: Loss, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) 
 
 
 def time_ms(loss_fn: Loss, x, w, labels, reps: int, settle_seconds: float) -> float:
+    """Median forward+backward time: CUDA events after one untimed step and ``settle_seconds`` of them
+    on a GPU (``bench_mlp.cuda_median_ms``), wall time on a CPU."""
     run = lambda: step(loss_fn, x, w, labels)  # noqa: E731
-    settle(run, 1, settle_seconds if x.is_cuda else 0.0)
+    if x.is_cuda:
+        return cuda_median_ms(run, reps, warmup=1, settle_seconds=settle_seconds)
+    run()
     times = []
     for _ in range(reps):
-        if x.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - begin) * 1e3)
+        begin = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(times)
 
 
@@ -288,24 +284,16 @@ def run_shape(vocab: int, tokens: int, providers: list[str], args, device, dtype
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     """Per vocabulary: time and peak memory against T (log-log), one line per provider."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     vocabs = sorted({r["V"] for r in rows})
-    fig, axes = plt.subplots(len(vocabs), 2, figsize=(12, 4.2 * len(vocabs)), squeeze=False)
+    fig, axes = subplots(len(vocabs), 2, (12, 4.2 * len(vocabs)))
     for i, vocab in enumerate(vocabs):
+        of_vocab = [r for r in rows if r["V"] == vocab]
         for j, (metric, label) in enumerate((("time_ms", "forward+backward (ms)"),
                                              ("peak_mib", "peak above inputs (MiB)"))):
-            of_vocab = [r for r in rows if r["V"] == vocab]
             plot_lines(axes[i][j], of_vocab, metric, "provider")
             format_tokens_axis(axes[i][j], sorted({r["T"] for r in of_vocab}), "tokens T", label, log_y=True)
             axes[i][j].set_title(f"V = {vocab}")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

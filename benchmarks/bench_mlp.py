@@ -565,19 +565,31 @@ def write_csv_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, .
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     """Time and peak memory against T (log-x), one line per provider; OOM/error points are left out."""
+    fig, axes = subplots(1, 2, (12, 4.5))
+    for metric, axis, label in (("time_ms", axes[0][0], "forward+backward time (ms)"),
+                                ("peak_mib", axes[0][1], "peak memory above inputs (MiB)")):
+        plot_lines(axis, rows, metric, "provider")
+        format_tokens_axis(axis, sorted({row["T"] for row in rows}), "tokens T", label, log_y=True)
+    save_figure(fig, path, title, dpi=120)
+
+
+def subplots(rows: int, cols: int, size: tuple[float, float]) -> tuple[Any, Any]:
+    """A matplotlib figure (headless backend) and its ``[rows][cols]`` axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for metric, axis, label in (("time_ms", axes[0], "forward+backward time (ms)"),
-                                ("peak_mib", axes[1], "peak memory above inputs (MiB)")):
-        plot_lines(axis, rows, metric, "provider")
-        format_tokens_axis(axis, sorted({row["T"] for row in rows}), "tokens T", label, log_y=True)
+    return plt.subplots(rows, cols, figsize=size, squeeze=False)
+
+
+def save_figure(fig: Any, path: Path, title: str, dpi: int = 110) -> None:
+    """Title, lay out, write and close ``fig``."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from .distributed.detect import is_dtensor
+from .distributed.detect import is_dtensor, storage_freed
 from .function import AutocastReplay
 from .kernels.cross_entropy import LogitTransform
 from .loss import compute_dtype
@@ -65,7 +65,7 @@ class LogitsRecipe:
             return F.linear(hidden, weight, bias)
 
     def check(self) -> None:
-        if any(is_dtensor(t) or (t.numel() > 0 and t.untyped_storage().size() == 0) for t in self._tensors()):
+        if any(is_dtensor(t) or storage_freed(t) for t in self._tensors()):
             raise ValueError(
                 "these logits were never computed (tiledmlp computed the loss without them) and the head's "
                 "weights are no longer gathered (an FSDP unit resharded them after forward). Read the logits "
@@ -81,7 +81,7 @@ class LogitsRecipe:
 
 @dataclass
 class _Fold:
-    """The ops applied so far, as ``b * tanh(a * z)`` (``tanh``) or ``a * z``; None: not foldable."""
+    """The ops applied so far, as ``b * tanh(a * z)`` (``tanh``) or ``a * z``."""
 
     a: float = 1.0
     tanh: bool = False
@@ -113,13 +113,13 @@ class _Cell:
 class _State:
     recipe: LogitsRecipe
     ops: tuple = ()  # (op, args after self, kwargs) to replay on the base logits
-    fold: Optional[_Fold] = field(default_factory=_Fold)
+    fold: _Fold = field(default_factory=_Fold)
     cell: _Cell = field(default_factory=_Cell)
 
 
 class LazyLogits(torch.Tensor):
     """A placeholder for logits (see the module docstring). ``transform`` is what the ops applied to it
-    amount to (None when they cannot be folded: it has then been materialized)."""
+    amount to (ops it cannot represent materialize the logits instead)."""
 
     _lazy: _State
     __torch_function__ = torch._C._disabled_torch_function_impl  # results are plain tensors
@@ -140,9 +140,8 @@ class LazyLogits(torch.Tensor):
         return self._lazy.recipe.hidden
 
     @property
-    def transform(self) -> Optional[LogitTransform]:
-        fold = self._lazy.fold
-        return None if fold is None else fold.transform()
+    def transform(self) -> LogitTransform:
+        return self._lazy.fold.transform()  # a placeholder only holds representable folds (_fold_step)
 
     @property
     def materialized(self) -> bool:
@@ -162,7 +161,7 @@ class LazyLogits(torch.Tensor):
             recipe.on_materialize(reason)
         return state.cell.value
 
-    def _derived(self, op: Any, args: tuple, kwargs: dict, fold: Optional[_Fold], dtype: torch.dtype) -> "LazyLogits":
+    def _derived(self, op: Any, args: tuple, kwargs: dict, fold: _Fold, dtype: torch.dtype) -> "LazyLogits":
         state = self._lazy
         return LazyLogits(_State(state.recipe, state.ops + ((op, args, kwargs),), fold), self.shape, dtype, self.device)
 
@@ -199,8 +198,6 @@ def _fold_step(self: LazyLogits, func: Any, rest: tuple, kwargs: dict) -> Option
     """The lazy result of a scaling, tanh or upcast of ``self``; None when the op must materialize
     (another op, or a chain the loss cannot represent, such as tanh twice or a negative softcap)."""
     fold = self._lazy.fold
-    if fold is None:
-        return None
     folded, dtype = None, self.dtype
     if func in _SCALINGS and len(rest) == 1 and not kwargs:
         value = _scalar(rest[0])

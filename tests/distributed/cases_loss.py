@@ -130,8 +130,8 @@ def loss_fsdp2_root_owns_tied_head(env: Env) -> dict[str, Any]:
 @case
 def loss_fsdp2_head_unit(env: Env) -> dict[str, Any]:
     """lm_head its own unit, resharded after forward: the loss runs in the root's forward, after the
-    head's own call, so the strategy gathers the head for it (in place of the untiled head's gather in
-    backward: the same collectives)."""
+    head's own call, so the strategy keeps the head's unit gathered from that call until the loss has
+    run (FSDP2Strategy.hold_gathered): the untiled collectives, not one all-gather more."""
     return untiled_vs_tiled(_recipe(env, fsdp2_llama(env, head_unit=True)), env)
 
 

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "is_fsdp1_wrapper"]
+__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "is_fsdp1_wrapper",
+           "storage_freed"]
 
 
 class Wrapping(str, enum.Enum):
@@ -63,6 +64,11 @@ def _dtensor_type() -> Optional[type]:
 def is_dtensor(t: torch.Tensor) -> bool:
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether a non-empty tensor's storage was freed (an FSDP unit resharded its parameter)."""
+    return t.untyped_storage().size() == 0 and t.numel() > 0
 
 
 def is_fsdp1_wrapper(module: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 import torch
 from torch import nn
 
-from .detect import Wrapping, is_dtensor
+from .detect import Wrapping, is_dtensor, storage_freed
 
 __all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units"]
 
@@ -85,10 +85,6 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     wrapping = Wrapping.DDP
-
-
-def _storage_freed(t: torch.Tensor) -> bool:
-    return t.untyped_storage().size() == 0 and t.numel() > 0
 
 
 @contextlib.contextmanager
@@ -165,7 +161,7 @@ class FSDP2Strategy(Strategy):
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
         # The parameters' storage is still freed only when nobody re-gathered before this node's
         # backward (FSDP2's pre-backward hook did not run for the unit): gather here.
-        return lambda: _gathered(self.units, any(_storage_freed(p) for p in params))
+        return lambda: _gathered(self.units, any(storage_freed(p) for p in params))
 
     def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
         """Skip the post-forward reshard of ``module``'s own unit (``reshard_after_forward=True``) for
