@@ -2,11 +2,18 @@
 
 Providers (all start from the same weights, input and output gradient):
 
-* ``eager``            transformers' ``LlamaMLP`` (or ``MixtralSparseMoeBlock`` with ``--moe``), untiled.
+* ``eager``            the untiled block of the ``--style`` (default transformers' ``LlamaMLP``; ``MixtralSparseMoeBlock``
+                       with ``--moe``).
 * ``liger``            Liger-Kernel's untiled ``LigerSwiGLUMLP`` / ``LigerGEGLUMLP``.
 * ``liger_tiled``      Liger-Kernel's ``LigerTiledSwiGLUMLP`` / ``LigerTiledGEGLUMLP`` (shards = ceil(T / H)).
 * ``deepspeed_tiled``  DeepSpeed's ``TiledMLP.apply`` around the eager module's forward (shards = ceil(T / H)).
 * ``tiledmlp``         the eager module after ``tiledmlp.enable_tiling(module)``; ``tiledmlp@N`` forces N shards.
+
+Styles (``--style``, comma-separated to compare them in one run; each style's ratios are against its own
+``eager``): ``act_fn`` (``LlamaMLP``: ``down(act_fn(gate(x)) * up(x))``), ``inline`` (the same names, activation
+written inline), ``torchtitan`` (``w2(silu(w1(x)) * w3(x))``), ``plain`` (Phi-2's ``fc1 -> gelu_tanh -> fc2``
+with biases; GPT-2-XL shape: ``--hidden 1600 --intermediate 6400``) and ``conv1d`` (GPT-2's ``Conv1D``
+``c_fc``/``c_proj``). Liger providers exist for the ``act_fn`` and ``inline`` GLUs only.
 
 Accuracy is the relative L2 error against a float64 reference computed on the same device, token chunk by
 token chunk (exact up to float64 rounding, and small enough to fit next to the benchmark at 128K tokens).
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -45,10 +53,12 @@ if str(REPO_ROOT) not in sys.path:
 
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 DENSE_PROVIDERS = ("eager", "liger", "liger_tiled", "deepspeed_tiled", "tiledmlp", "tiledmlp_fp32acc")
+STYLES = ("act_fn", "inline", "torchtitan", "plain", "conv1d")
+LIGER_STYLES = ("act_fn", "inline")  # Liger's GLU modules load these styles' weights (same names)
 MOE_PROVIDERS = ("eager", "deepspeed_tiled", "tiledmlp")
 TRITON_ONLY = frozenset({"liger", "liger_tiled"})
 FIXED_COLUMNS = (
-    "provider", "act", "T", "hidden", "intermediate", "dtype", "time_ms", "time_ratio_vs_eager", "peak_mib",
+    "provider", "style", "act", "T", "hidden", "intermediate", "dtype", "time_ms", "time_ratio_vs_eager", "peak_mib",
     "err_out", "err_dx", "err_w_max", "gpu_name", "torch", "triton", "transformers", "liger", "deepspeed",
     "tiledmlp", "date",
 )
@@ -61,11 +71,12 @@ VERSION_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 @dataclass(frozen=True)
 class Shape:
-    """The block under test: a dense gated MLP, or a Mixtral sparse MoE block when ``moe`` is set."""
+    """The block under test: a dense MLP of ``style``, or a Mixtral sparse MoE block when ``moe`` is set."""
 
     hidden: int
     intermediate: int
     act: str
+    style: str = "act_fn"
     moe: bool = False
     experts: int = 8
     top_k: int = 2
@@ -78,6 +89,7 @@ class Runner:
 
     module: nn.Module
     forward: Callable[[torch.Tensor], torch.Tensor]
+    form: str = ""  # tiledmlp: the form(s) its modules got (tiledmlp.describe)
 
 
 @dataclass
@@ -161,12 +173,57 @@ def hf_config(shape: Shape, experts_impl: Optional[str] = None) -> PretrainedCon
     return config
 
 
+class InlineGLU(nn.Module):
+    """``LlamaMLP``'s names with the activation written inline (no ``act_fn`` attribute)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.tanh_gelu = act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class FeedForward(nn.Module):
+    """torchtitan's Llama ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 def eager_module(shape: Shape, experts_impl: Optional[str] = None) -> nn.Module:
-    """transformers' own block: ``LlamaMLP`` or ``MixtralSparseMoeBlock``."""
+    """The untiled block: ``MixtralSparseMoeBlock``, or the dense MLP of ``shape.style``."""
     if shape.moe:
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
         return MixtralSparseMoeBlock(hf_config(shape, experts_impl))
+    if shape.style == "inline":
+        return InlineGLU(shape.hidden, shape.intermediate, shape.act)
+    if shape.style == "torchtitan":
+        return FeedForward(shape.hidden, shape.intermediate)
+    if shape.style == "plain":
+        from transformers import PhiConfig
+        from transformers.models.phi.modeling_phi import PhiMLP
+
+        return PhiMLP(PhiConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                                hidden_act=ACTIVATIONS[shape.act], resid_pdrop=0.0))
+    if shape.style == "conv1d":
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        return GPT2MLP(shape.intermediate, GPT2Config(n_embd=shape.hidden, activation_function=ACTIVATIONS[shape.act],
+                                                      resid_pdrop=0.0))
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     return LlamaMLP(hf_config(shape))
@@ -253,7 +310,7 @@ def build_tiledmlp(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dt
     tiledmlp.enable_tiling(module, **options)
     if not tiledmlp.tiled_modules(module):
         raise RuntimeError(f"tiledmlp.enable_tiling tiled nothing in {type(module).__name__}")
-    return Runner(module, module)
+    return Runner(module, module, ",".join(info.form for info in tiledmlp.describe(module).values()))
 
 
 def build_tiledmlp_fp32acc(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -477,6 +534,8 @@ def measure(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Te
     with torch.device(x.device):
         runner = build_runner(name, shape, state, x.dtype, args.tiledmlp_options)
     result: dict[str, Any] = accuracy(runner, x, grad_out, ref) if ref is not None else {}
+    if runner.form:
+        result["form"] = runner.form
     result["time_ms"] = median_time_ms(runner, x, grad_out, args.warmup, args.reps, args.settle_seconds)
     result["peak_mib"] = peak_memory_mib(runner, x, grad_out)
     return result
@@ -564,11 +623,14 @@ def write_csv_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, .
 
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
-    """Time and peak memory against T (log-x), one line per provider; OOM/error points are left out."""
+    """Time and peak memory against T (log-x), one line per provider (and style, when there are several);
+    OOM/error points are left out."""
+    several = len({row.get("style") for row in rows}) > 1
+    rows = [{**row, "series": f"{row['provider']} [{row['style']}]" if several else row["provider"]} for row in rows]
     fig, axes = subplots(1, 2, (12, 4.5))
     for metric, axis, label in (("time_ms", axes[0][0], "forward+backward time (ms)"),
                                 ("peak_mib", axes[0][1], "peak memory above inputs (MiB)")):
-        plot_lines(axis, rows, metric, "provider")
+        plot_lines(axis, rows, metric, "series")
         format_tokens_axis(axis, sorted({row["T"] for row in rows}), "tokens T", label, log_y=True)
     save_figure(fig, path, title, dpi=120)
 
@@ -617,7 +679,7 @@ def format_tokens_axis(axis: Any, tokens: list[int], xlabel: str, ylabel: str, l
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """Print the headline columns as an aligned text table."""
-    print_rows(rows, ("provider", "T", "time_ms", "time_ratio_vs_eager", "peak_mib", "err_out", "err_dx",
+    print_rows(rows, ("provider", "style", "T", "time_ms", "time_ratio_vs_eager", "peak_mib", "err_out", "err_dx",
                       "err_w_max"))
 
 
@@ -639,7 +701,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seq-lens", default=None, help="comma-separated token counts (default 8192,32768,131072)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size H (default 4096)")
     parser.add_argument("--intermediate", type=int, default=None, help="intermediate size I (default 14336)")
-    parser.add_argument("--act", choices=sorted(ACTIVATIONS), default="silu")
+    parser.add_argument("--act", choices=sorted(ACTIVATIONS), default=None,
+                        help="silu or gelu_tanh (default: silu; gelu_tanh for the plain and conv1d styles)")
+    parser.add_argument("--style", default="act_fn",
+                        help=f"comma-separated MLP styles to compare in one run: {', '.join(STYLES)} (default act_fn)")
     parser.add_argument("--moe", action="store_true", help="benchmark a Mixtral sparse MoE block instead")
     parser.add_argument("--experts", type=int, default=8, help="MoE: number of experts")
     parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
@@ -655,7 +720,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--ref-chunk", type=int, default=None, help="tokens per float64 reference chunk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
-    parser.add_argument("--quick", action="store_true",
+    parser.add_argument("--quick", "--smoke", action="store_true",
                         help="tiny smoke test (CPU float32 when no GPU); skips providers that cannot run")
     args = parser.parse_args(argv)
     apply_defaults(args)
@@ -670,6 +735,13 @@ def apply_defaults(args: argparse.Namespace) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.seq_lens = [int(t) for t in str(args.seq_lens).split(",")]
+    args.styles = args.style.split(",")
+    unknown = [style for style in args.styles if style not in STYLES]
+    if unknown or (args.moe and args.styles != ["act_fn"]):
+        raise SystemExit(f"unknown or MoE-incompatible --style {','.join(unknown) or args.style}; choose from "
+                         f"{', '.join(STYLES)} (dense MLPs only)")
+    if args.act is None:
+        args.act = "gelu_tanh" if all(style in ("plain", "conv1d") for style in args.styles) else "silu"
     args.explicit_providers = args.providers is not None
     default_providers = MOE_PROVIDERS if args.moe else DENSE_PROVIDERS
     args.providers = args.providers.split(",") if args.providers else list(default_providers)
@@ -680,9 +752,12 @@ def apply_defaults(args: argparse.Namespace) -> None:
 
 
 def output_stem(args: argparse.Namespace, device: torch.device) -> str:
-    """``bench_mlp_<gpu>_<act>`` (``bench_moe_...`` with --moe, ``..._quick`` with --quick)."""
+    """``bench_mlp_<gpu>_<act>`` (``bench_moe_...`` with --moe; ``_<styles>`` for other styles than
+    ``act_fn``, ``_H<hidden>`` for another hidden size than 4096, ``..._quick`` with --quick)."""
     kind = "moe" if args.moe else "mlp"
-    return f"bench_{kind}_{gpu_slug(device)}_{args.act}" + ("_quick" if args.quick else "")
+    styles = "" if args.styles == ["act_fn"] else "_" + "-".join(args.styles)
+    hidden = "" if args.hidden == 4096 or args.quick else f"_H{args.hidden}"
+    return f"bench_{kind}_{gpu_slug(device)}_{args.act}{styles}{hidden}" + ("_quick" if args.quick else "")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -690,25 +765,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = Shape(args.hidden, args.intermediate, args.act, args.moe, args.experts, args.top_k, args.experts_impl)
     strict = args.explicit_providers and not args.quick
     providers = available_providers(args.providers, device, strict)
-    print(f"{gpu_name(device)}: {'MoE' if shape.moe else 'MLP'} {shape}, dtype {dtype}, providers {providers}")
-
-    state = master_state_dict(shape, device, dtype, args.seed)
     rows = []
-    for tokens in args.seq_lens:
-        rows += run_sequence_length(tokens, providers, shape, state, args, device, dtype)
+    for style in args.styles:
+        shape = Shape(args.hidden, args.intermediate, args.act, style, args.moe, args.experts, args.top_k,
+                      args.experts_impl)
+        usable = [name for name in providers if split_provider(name)[0] not in TRITON_ONLY or style in LIGER_STYLES]
+        print(f"{gpu_name(device)}: {'MoE' if shape.moe else 'MLP'} {shape}, dtype {dtype}, providers {usable}")
+        state = master_state_dict(shape, device, dtype, args.seed)
+        for tokens in args.seq_lens:
+            rows += [{"style": style, **row} for row in run_sequence_length(tokens, usable, shape, state, args, device,
+                                                                            dtype)]
 
-    meta = {"act": args.act, "hidden": shape.hidden, "intermediate": shape.intermediate,
+    meta = {"act": args.act, "hidden": args.hidden, "intermediate": args.intermediate,
             "dtype": str(dtype).removeprefix("torch."), "gpu_name": gpu_name(device), **package_versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(args, device)
     write_csv(args.out / f"{stem}.csv", rows)
-    title = (f"{gpu_name(device)} - {'Mixtral MoE' if shape.moe else 'Llama MLP'} H={shape.hidden} "
-             f"I={shape.intermediate} {args.act} {meta['dtype']}")
+    block = "Mixtral MoE" if args.moe else f"MLP ({', '.join(args.styles)})"
+    title = f"{gpu_name(device)} - {block} H={args.hidden} I={args.intermediate} {args.act} {meta['dtype']}"
     write_plot(args.out / f"{stem}.png", rows, title)
     print_table(rows)
     print(f"wrote {args.out / stem}.csv and .png")

@@ -2,7 +2,7 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|tiles|moe|checkpoint|accum|gemms|paired|loss|longctx|longctx-max]
+#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|longctx|longctx-max]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -20,6 +20,10 @@ run checkpoint && python3 benchmarks/bench_checkpoint.py
 run tiles && python3 benchmarks/bench_tiles.py
 run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1048576 --reps 9 \
     && python3 benchmarks/bench_mlp.py --act gelu_tanh --seq-lens 8192,32768,131072 --reps 9
+# MLP styles (issue 12): GLUs however written against the act_fn module; plain MLPs at GPT-2-XL and Phi-2 shapes
+run styles && python3 benchmarks/bench_mlp.py --style act_fn,inline,torchtitan --providers eager,liger_tiled,tiledmlp \
+    && python3 benchmarks/bench_mlp.py --style plain,conv1d --hidden 1600 --intermediate 6400 --providers eager,tiledmlp,tiledmlp_fp32acc \
+    && python3 benchmarks/bench_mlp.py --style plain --hidden 2560 --intermediate 10240 --providers eager,tiledmlp,tiledmlp_fp32acc
 run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
 run paired && python3 benchmarks/bench_paired.py && python3 benchmarks/bench_paired.py --act gelu_tanh
 run loss && python3 benchmarks/bench_loss.py

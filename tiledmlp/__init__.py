@@ -5,6 +5,7 @@ Public API:
 * :func:`enable_tiling` / :func:`disable_tiling` — patch (and restore) every recognized MLP block of a
   model, bare or wrapped, per instance.
 * :func:`tiled_modules` — which modules are tiled, and with which strategy.
+* :func:`describe` — per tiled module: its form (and why generic), strategy, shards and scratch.
 * :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
 * :func:`tiled_linear_cross_entropy` — the tiled LM head + cross-entropy, for custom training loops
   (``enable_tiling(model, loss=True)`` tiles Hugging Face causal LMs' loss).
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .describe import Description, TileInfo, describe, log_summary
 from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
 from .loss import tiled_linear_cross_entropy
 from .heads import LossOptions
@@ -30,6 +32,9 @@ __all__ = [
     "enable_tiling",
     "disable_tiling",
     "tiled_modules",
+    "describe",
+    "Description",
+    "TileInfo",
     "apply_tiled_mlp",
     "tiled_linear_cross_entropy",
     "register_mlp",
@@ -59,16 +64,16 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
             never exist at once. Without labels the head returns real logits, as before.
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
-            for the fast GLU form the fewest shards (up to 16384 tokens each, in one or two blocks of
+            for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
             the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
             form ``ceil(tokens / hidden)`` shards.
         tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
-        inter_chunks: blocks of the intermediate dimension per shard in the fast GLU backward
+        inter_chunks: blocks of the intermediate dimension per shard in the fast forms' backward
             (scratch shrinks by that factor); None: automatic.
-        scratch_mib: backward scratch budget of the fast GLU form in MiB (default 512: 16384-token
+        scratch_mib: backward scratch budget of the fast forms in MiB (default 512: 16384-token
             shards in two blocks of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
-        form: ``"auto"`` (fast GLU form where recognized and verified) or ``"generic"`` (always the
-            module's own forward).
+        form: ``"auto"`` (the fast GLU or plain-MLP form where the probe identifies one, see
+            ``tiledmlp.recognize``) or ``"generic"`` (always the module's own forward).
         grad_accum_dtype: how shard gradients are summed (``tiledmlp.accumulate``). ``None``: bf16
             weights in block-scaled float16 (2 bytes per element, the gradient's own memory), other
             16-bit parameters in float32; ``torch.float32``: every sum in float32 (exact, 4 bytes);
@@ -82,6 +87,10 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         loss_grad_accum_dtype: how the head gradient's shard partials are summed: ``torch.float32``
             (default, exact) or ``None`` (block-scaled float16 in 2 bytes per element; less exact with
             many shards). See ``tiledmlp.loss``.
+
+    Logs one INFO line (what was tiled, strategies, scratch at 128K tokens) and a WARNING for every
+    module that looks like an MLP but takes the generic form, with the reason; :func:`describe`
+    gives the same per module.
 
     Returns the same ``model``. Calling it again re-configures (never double-wraps; the loss is tiled
     if the last call asked for it). On error nothing is changed.
@@ -120,13 +129,16 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
                   loss_options)
     if not states:
         raise ValueError(
-            f"no MLP block recognized in {type(model).__name__}. tiledmlp recognizes modules with "
-            "gate_proj/up_proj/down_proj or gate_up_proj/down_proj submodules (GLU MLPs), MoE blocks "
-            "(an 'experts' submodule beside a 'gate' or 'router'), and registered types. For a custom "
-            "per-token module, call tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a "
-            "single call, use tiledmlp.apply_tiled_mlp(fn, module, x)."
+            f"no MLP block recognized in {type(model).__name__}. tiledmlp recognizes, by what they compute, "
+            "modules whose 2-4 Linear-like children (nn.Linear, transformers' Conv1D, LoRA-wrapped linears) "
+            "chain hidden -> intermediate -> hidden and whose forward maps each token on its own (GLU and "
+            "plain MLPs, whatever their names); MoE blocks (an 'experts' submodule beside a 'gate' or "
+            "'router'); and registered types. For another per-token module, call "
+            "tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a single call, use "
+            "tiledmlp.apply_tiled_mlp(fn, module, x)."
         )
     install(model, states)
+    log_summary(model)
     return model
 
 

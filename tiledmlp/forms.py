@@ -1,19 +1,14 @@
 """Forms: how one MLP is computed from a token shard and the parameter tensors handed to it.
 
-Two forms implement :class:`tiledmlp.function.Form`:
+Two forms implement :class:`tiledmlp.function.Form` for MLPs (the loss has its own,
+``tiledmlp.loss``):
 
 * :class:`ModuleForm` (generic) runs the module's own forward with its parameters swapped for the
   tensors the tiled function passes (detached leaves in backward), so any per-token module works — a
   PEFT-LoRA MLP, a MoE block, a custom module. Backward recomputes the whole forward per shard and asks
   autograd for the shard's gradients.
-* :class:`GLUForm` (fast) computes ``down(act(gate(x)) * up(x))`` directly from the weights, for split
-  ``gate_proj``/``up_proj`` or fused ``gate_up_proj`` layouts. Its backward recomputes only the gate and
-  up projections (never the down projection), and the fused activation kernel overwrites the recomputed
-  buffers with their gradients; with ``dh`` computed a column block at a time, a shard costs about
-  ``2.3 * rows * intermediate`` elements of scratch (2.29 for Llama-3-8B).
-
-FLOP per token (H hidden, I intermediate): forward 6·H·I; GLU backward 16·H·I (2 recompute GEMMs + 6);
-generic backward 18·H·I (it recomputes the down projection too).
+* :class:`tiledmlp.mlp_form.MLPForm` (fast) computes a gated or plain MLP straight from its
+  weights and recomputes only the pre-activations in backward (see that module).
 """
 
 from __future__ import annotations
@@ -24,14 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
-from .kernels import glu_backward_, glu_forward
-from .sharding import chunk_bounds, dh_blocks
+from .accumulate import GradAccumulator
 
-__all__ = ["Slot", "ModuleForm", "GLUForm", "GLULayout", "activation_name", "is_plain_linear", "swapped"]
+__all__ = ["Slot", "ModuleForm", "is_plain_linear", "swapped"]
 
 
 @dataclass(frozen=True)
@@ -172,180 +164,3 @@ class ModuleForm:
 def _drain_into(grads: GradAccumulator, i: int, leaf: torch.Tensor) -> None:
     grads.add(i, leaf.grad)
     leaf.grad = None
-
-
-def activation_name(act: Any) -> Optional[str]:
-    """The fused-kernel name of a GLU activation module/function, or None if it is not one we fuse.
-
-    The name is a claim checked numerically where possible (see ``patching``): e.g. Hugging Face's
-    ``NewGELUActivation`` writes the tanh approximation out by hand and matches ``gelu_tanh`` to
-    rounding.
-    """
-    if act is F.silu or isinstance(act, nn.SiLU):
-        return "silu"
-    if act is F.gelu:
-        return "gelu"
-    if isinstance(act, nn.GELU):
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    return {
-        "SiLUActivation": "silu",
-        "GELUActivation": "gelu",
-        "GELUTanh": "gelu_tanh",
-        "PytorchGELUTanh": "gelu_tanh",
-        "NewGELUActivation": "gelu_tanh",
-        "FastGELUActivation": "gelu_tanh",
-    }.get(type(act).__name__)
-
-
-@dataclass(frozen=True)
-class GLULayout:
-    """Indices of the GLU weights among the tiled function's parameter tensors (None: absent bias).
-
-    Split layout: ``gate``/``up`` are ``[I, H]`` weights. Fused layout (Phi-3, GLM-4): ``gate`` is the
-    ``[2I, H]`` ``gate_up_proj`` weight whose first half is the gate, and ``up`` is None.
-    """
-
-    gate_w: int
-    gate_b: Optional[int]
-    up_w: Optional[int]
-    up_b: Optional[int]
-    down_w: int
-    down_b: Optional[int]
-
-    @property
-    def fused(self) -> bool:
-        return self.up_w is None
-
-
-def _get(params: Sequence[torch.Tensor], i: Optional[int]) -> Optional[torch.Tensor]:
-    return None if i is None else params[i]
-
-
-class GLUForm:
-    """Fast form for ``down(act(gate(x)) * up(x))`` (SwiGLU, GEGLU, tanh-GEGLU; split or fused).
-
-    Backward works on one token shard in ``inter_chunks`` blocks of the intermediate dimension
-    (normally one). Per block it recomputes the gate and up columns; then, one ``dh_blocks`` column
-    block at a time, it computes ``dh = g @ W_down[:, cols]``, the fused kernel overwrites ``dh`` with
-    ``h`` and the gate/up columns with their gradients, and ``h`` gives the matching column block of
-    the down projection's weight gradient (``g.T @ h``). Then the gate/up weight gradients and the
-    input gradient come from the block's buffers; a block's buffers are released before the next
-    block's recompute. Scratch: ``(2 * block + dh block) * rows`` elements
-    (``sharding.glu_scratch_per_token``). With several intermediate blocks the input gradient is
-    summed straight into its output rows (in bf16 for bf16 compute: 4 products for 2 blocks, error
-    0.98x the untiled one's; 8 for 4 blocks, 1.08x, ``tests/unit/test_precision.py``).
-    """
-
-    stochastic = False
-    grads_in_forward = False
-    leading_outputs = (True,)
-    returned_tuple = False
-
-    def __init__(self, activation: str, layout: GLULayout, inter_chunks: int = 1) -> None:
-        self.activation = activation
-        self.layout = layout
-        self.inter_chunks = inter_chunks
-
-    def _weights(self, params: Sequence[torch.Tensor], start: int, stop: int, inter: int):
-        """``(gate weight, gate bias, up weight, up bias, row offset of up in its parameter)`` for a
-        block of the intermediate dimension."""
-        lay = self.layout
-        gate_w, gate_b = params[lay.gate_w], _get(params, lay.gate_b)
-        if lay.fused:
-            up_w, up_b, up_offset = gate_w, gate_b, inter
-        else:
-            up_w, up_b, up_offset = params[lay.up_w], _get(params, lay.up_b), 0
-        sl, up_sl = slice(start, stop), slice(up_offset + start, up_offset + stop)
-        return (gate_w[sl], None if gate_b is None else gate_b[sl],
-                up_w[up_sl], None if up_b is None else up_b[up_sl], up_offset)
-
-    def forward_shard(self, x, params, out=None, side=()):
-        lay = self.layout
-        if lay.fused:
-            gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
-            half = gu.shape[-1] // 2
-            # h gets its own contiguous buffer so the down GEMM reads dense rows.
-            h = glu_forward(gu[:, :half], gu[:, half:], self.activation)
-        else:
-            gate = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
-            up = F.linear(x, params[lay.up_w], _get(params, lay.up_b))
-            h = glu_forward(gate, up, self.activation, out=gate)  # h overwrites the gate buffer
-        w_down, b_down = params[lay.down_w], _get(params, lay.down_b)
-        dest = None if out is None else out[0]
-        if dest is None or dest.dtype != h.dtype:
-            return (F.linear(h, w_down, b_down),)
-        # Straight into the output rows: no [rows, hidden] temporary and no copy (F.linear's GEMM, with
-        # the casts autocast would make).
-        w_t = w_down.to(h.dtype).t()
-        if b_down is None:
-            return (torch.mm(h, w_t, out=dest),)
-        return (torch.addmm(b_down.to(h.dtype), h, w_t, out=dest),)
-
-    def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
-        (g,) = grad_outputs
-        if g is None:
-            if dx_out is not None:
-                dx_out.zero_()
-            return
-        lay, needs = self.layout, grads.needs
-        w_down = params[lay.down_w]
-        inter = w_down.shape[1]
-        blocks = chunk_bounds(inter, self.inter_chunks)
-        dh_bounds = [[(start + a, start + b) for a, b in dh_blocks(stop - start)] for start, stop in blocks]
-        if needs[lay.down_w]:
-            grads.plan_columns(lay.down_w, [bound for block in dh_bounds for bound in block])
-        whole_fused = lay.fused and len(blocks) == 1  # one GEMM for both projections and for each gradient
-        gc = xc = dx_acc = None
-        for block_idx, (start, stop) in enumerate(blocks):
-            gate_w, gate_b, up_w, up_b, up_offset = self._weights(params, start, stop, inter)
-            if whole_fused:
-                gu = F.linear(x, params[lay.gate_w], _get(params, lay.gate_b))
-                gate, up = gu[:, :inter], gu[:, inter:]
-            else:
-                gate, up = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
-            cdt = gate.dtype  # the compute dtype (differs from the parameters' under autocast)
-            if gc is None:  # cast once per shard, not per block
-                gc, xc = g.to(cdt), x.to(cdt)
-            sub_blocks = dh_bounds[block_idx]
-            # One buffer for every dh block (a fresh tensor per block would be allocated while the
-            # previous one is still referenced: two blocks of scratch instead of one).
-            rows = x.shape[0]
-            dh_buf = torch.empty(rows * max(b - a for a, b in sub_blocks), dtype=cdt, device=x.device)
-            for sub_start, sub_stop in sub_blocks:  # absolute columns of the intermediate dimension
-                cols, width = slice(sub_start - start, sub_stop - start), sub_stop - sub_start
-                dh = dh_buf[:rows * width].view(rows, width)
-                torch.mm(gc, w_down[:, sub_start:sub_stop].to(cdt), out=dh)
-                glu_backward_(dh, gate[:, cols], up[:, cols], self.activation)  # dh <- h, gate/up <- their grads
-                if needs[lay.down_w]:  # the matching column block of W_down's gradient: g.T @ h
-                    grads.addmm(lay.down_w, gc.t(), dh, cols=slice(sub_start, sub_stop))
-            del dh, dh_buf  # before the weight-gradient partials need their buffer
-            if whole_fused:
-                self._projection_grads(gu, lay.gate_w, lay.gate_b, slice(None), xc, grads)
-            else:
-                self._projection_grads(gate, lay.gate_w, lay.gate_b, slice(start, stop), xc, grads)
-                up_w_idx, up_b_idx = (lay.gate_w, lay.gate_b) if lay.fused else (lay.up_w, lay.up_b)
-                self._projection_grads(up, up_w_idx, up_b_idx, slice(up_offset + start, up_offset + stop), xc, grads)
-            if dx_out is not None:
-                first = dx_acc is None
-                if first:  # summed straight into the output rows when they hold the compute dtype or float32
-                    direct = dx_out.dtype in (cdt, sum_dtype(cdt))
-                    dx_acc = dx_out if direct else torch.empty(dx_out.shape, dtype=sum_dtype(cdt), device=x.device)
-                if whole_fused:
-                    mm_into(dx_acc, gu, params[lay.gate_w].to(cdt))
-                else:
-                    (mm_into if first else addmm_)(dx_acc, gate, gate_w.to(cdt))
-                    addmm_(dx_acc, up, up_w.to(cdt))
-            gate = up = gu = None  # released before the next block's recompute allocates its own
-        if lay.down_b is not None and needs[lay.down_b]:
-            grads.add(lay.down_b, g.sum(0))
-        if dx_acc is not None and dx_acc is not dx_out:
-            dx_out.copy_(dx_acc)
-
-    @staticmethod
-    def _projection_grads(d_out: torch.Tensor, w: int, b: Optional[int], rows: slice, x: torch.Tensor,
-                          grads: GradAccumulator) -> None:
-        """Weight and bias gradients of ``out = x @ W[rows].T + b[rows]`` given ``out``'s gradient."""
-        if grads.needs[w]:
-            grads.addmm(w, d_out.t(), x, rows=rows)
-        if b is not None and grads.needs[b]:
-            grads.add(b, d_out.sum(0), rows=rows)

@@ -1,13 +1,13 @@
-"""Find MLP blocks by structure, patch their forwards per instance, and undo it.
+"""Find MLP blocks, patch their forwards per instance, and undo it.
 
 Recognized (outermost match wins, so experts inside a tiled MoE block are not tiled again):
 
-* GLU MLPs: submodules ``gate_proj``, ``up_proj``, ``down_proj`` (Llama, Mistral, Qwen, Gemma,
-  OLMo, Granite, ...) or ``gate_up_proj`` + ``down_proj`` (Phi-3, GLM-4). When the projections are
-  plain ``nn.Linear`` and the activation (``act_fn``/``activation_fn``) is SiLU, GELU or tanh-GELU,
-  the fast GLU form is used — after a numerical probe on a few random tokens confirms that the
-  module's own forward computes exactly ``down(act(gate(x)) * up(x))``. Anything else with those
-  names (PEFT-LoRA projections, a custom forward) uses the generic form.
+* MLPs, by what they compute (``tiledmlp.recognize``): a module whose two to four Linear-like
+  children chain ``hidden -> inter -> hidden`` and whose forward a numerical probe identifies as
+  ``down(act(gate(x)) * up(x))`` (split or fused gate/up) or ``down(act(up(x)))`` gets the fast
+  form (``"glu"`` or ``"mlp"``, ``tiledmlp.mlp_form``), whatever its children are called; one
+  that is per-token but computes something else (LoRA adapters, dropout, a residual inside) gets
+  the generic form, with the reason recorded and logged.
 * MoE blocks: a ``experts`` submodule next to a ``gate`` or ``router`` submodule (Mixtral, Qwen-MoE).
 * Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
 * With ``loss=True``, the LM head of every Hugging Face causal LM (``heads.py``): the tiled loss.
@@ -23,27 +23,28 @@ import logging
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
-from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
+from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_fsdp1_wrapper,
                                   module_path)
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
-from .forms import GLUForm, GLULayout, Slot, activation_name, is_plain_linear
+from .forms import Slot
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
-from .runtime import TiledCallSpec, dedupe
+from .recognize import Recognized, recognize_mlp
+from .runtime import TiledCallSpec
 from .sharding import ShardPolicy
 
-__all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "uninstall", "tiled_names", "STATE_ATTR"]
+__all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "uninstall", "tiled_names", "tiled_states",
+           "STATE_ATTR"]
 
 log = logging.getLogger("tiledmlp")
 STATE_ATTR = "_tiledmlp_state"
 _REGISTERED: list[type] = []
-_ACT_ATTRS = ("act_fn", "activation_fn")
 
 
 def register_mlp(module_type: type) -> type:
@@ -61,13 +62,6 @@ def register_mlp(module_type: type) -> type:
 
 # ----------------------------------------------------------------------------------------------
 # Recognition
-
-
-@dataclass
-class Recognized:
-    kind: str  # "glu" (fast form), "generic", "moe"
-    slots: tuple[Slot, ...]
-    glu: Optional[tuple[str, GLULayout]] = None
 
 
 def param_slots(module: nn.Module) -> list[Slot]:
@@ -99,84 +93,26 @@ def _flatparam_slots(module: nn.Module, root: nn.Module) -> list[Slot]:
     ]
 
 
-def _glu_layout(module: nn.Module, slots: list[Slot]) -> Optional[tuple[str, GLULayout]]:
-    """The GLU layout over ``slots`` if the module is structurally a plain-Linear GLU."""
-    act = next((getattr(module, a) for a in _ACT_ATTRS if hasattr(module, a)), None)
-    activation = activation_name(act)
-    fused = hasattr(module, "gate_up_proj")
-    names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
-    linears = [getattr(module, n, None) for n in names]
-    if activation is None or not all(is_plain_linear(m) for m in linears):
-        return None
-    where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
-
-    def idx(lin: nn.Module, pname: str) -> Optional[int]:
-        return where.get((id(lin), pname))
-
-    if fused:
-        gu, down = linears
-        layout = GLULayout(idx(gu, "weight"), idx(gu, "bias"), None, None, idx(down, "weight"), idx(down, "bias"))
-    else:
-        gate, up, down = linears
-        layout = GLULayout(idx(gate, "weight"), idx(gate, "bias"), idx(up, "weight"), idx(up, "bias"),
-                           idx(down, "weight"), idx(down, "bias"))
-    if None in (layout.gate_w, layout.down_w) or (not fused and layout.up_w is None):
-        return None
-    return activation, layout
-
-
-def _probe_agrees(module: nn.Module, forward, slots: list[Slot], glu: tuple[str, GLULayout]) -> bool:
-    """Run the module's forward and the GLU form on 3 random tokens; True if they agree.
-
-    Skipped (True) where the weights cannot be computed with outside the wrapper's forward (meta
-    tensors, FSDP2's sharded DTensors, FSDP1's flat-parameter views or ``use_orig_params`` 1-D
-    shards): the structural match decides alone.
-    """
-    params, index = dedupe([s.get() for s in slots])
-    lay = glu[1]
-    w = params[lay.gate_w]
-    weights = [params[i] for i in (lay.gate_w, lay.up_w, lay.down_w) if i is not None]
-    if (w.device.type == "meta" or any(is_dtensor(p) or not isinstance(p, nn.Parameter) for p in params)
-            or any(p.dim() != 2 for p in weights)):
-        return True
-    gen = torch.Generator(device=w.device).manual_seed(0)
-    x = torch.randn(3, w.shape[-1], generator=gen, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        ref = forward(x)
-        got = GLUForm(glu[0], glu[1]).forward_shard(x, [params[i] for i in index])[0]
-    if not isinstance(ref, torch.Tensor) or ref.shape != got.shape:
-        return False
-    tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
-    return bool((ref - got).abs().max() <= tol * ref.abs().max().clamp_min(1e-6))
+def _is_moe(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.Module) and any(
+        isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router"))
 
 
 def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
               form: str = "auto", root: Optional[nn.Module] = None) -> Optional[Recognized]:
     """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
-    recognized MLP block."""
+    recognized MLP block. A MoE block with ``include_moe=False`` is ``"excluded"``: neither it nor
+    anything inside it (its experts) is tiled."""
     if is_fsdp1_wrapper(module):
         # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
         # wrapped module is tiled instead (tiling the wrapper would gather parameters per shard).
         return None
     slots = param_slots(module) or _flatparam_slots(module, root if root is not None else module)
     if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
-        return Recognized("generic", tuple(slots))
-    is_glu = all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) or all(
-        isinstance(getattr(module, n, None), nn.Module) for n in ("gate_up_proj", "down_proj")
-    )
-    if is_glu:
-        glu = _glu_layout(module, slots) if form == "auto" else None
-        if glu is not None and not _probe_agrees(module, _original_forward(module), slots, glu):
-            log.warning("%s has GLU structure but its forward differs from down(act(gate(x)) * up(x)); "
-                        "using the generic form", type(module).__name__)
-            glu = None
-        return Recognized("glu" if glu else "generic", tuple(slots), glu)
-    is_moe = isinstance(getattr(module, "experts", None), nn.Module) and any(
-        isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router")
-    )
-    if is_moe and include_moe:
-        return Recognized("moe", tuple(slots))
-    return None
+        return Recognized("generic", tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
+    if _is_moe(module):
+        return Recognized("moe" if include_moe else "excluded", tuple(slots))
+    return recognize_mlp(module, _original_forward(module), slots, fast=form == "auto")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +124,7 @@ class TilingState:
     """Everything the patched forward of one module needs."""
 
     spec: TiledCallSpec
-    kind: str
+    kind: str  # the form: "glu", "mlp", "generic", "moe" or "loss"
     input_name: str
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
@@ -198,6 +134,9 @@ class TilingState:
     # was enabled before wrapping (fully_shard changes those modules' classes in place). Weak, so a
     # deep copy of one MLP does not drag the whole model along.
     path: list = field(default_factory=list)
+    reason: str = ""  # why a module that looks like an MLP got the generic form
+    warn: bool = False  # whether that reason is worth a warning (not for a form the user asked for)
+    computes: str = ""  # what a fast form computes, in the module's own names
     _auto: dict = field(default_factory=dict)  # Wrapping → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:
@@ -279,7 +218,20 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):
         a, kw = rebuild(xs)
         return original(*a, **kw)
 
-    return state.spec(state.strategy(module), module, shard_forward, x, glu_allowed=not extra)
+    fast = not extra
+    if not fast and state.spec.layout is not None:
+        _log_once(f"{state.spec.name}: called with extra arguments ({', '.join(map(str, kwargs)) or 'positional'}); the "
+                  f"fast {state.kind} form computes forward(x) only, so these calls take the slower generic form")
+    return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +271,8 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
         if rec is None:
             continue
         covered.append(name)
+        if rec.kind == "excluded":
+            continue
         label = name or type(module).__name__
         nested = fsdp2_units_below(module)
         if nested:
@@ -328,10 +282,10 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
                 "above it (e.g. the decoder layer) instead."
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label)
-        spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, glu=rec.glu,
+        spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
                              is_moe=rec.kind == "moe", grad_accum_dtype=grad_accum_dtype)
         states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), _saved_forward(module),
-                                   forced, path)
+                                   forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes)
     if loss is not None:
         states.update(_plan_heads(model, strategy, loss))
     return states
@@ -397,16 +351,19 @@ def uninstall(model: nn.Module) -> None:
         unpatch_owner(module)
 
 
-def tiled_names(model: nn.Module) -> dict[str, str]:
-    """Qualified name → strategy name, resolving ``auto`` against the model given (it may be the wrapper)."""
-    out: dict[str, str] = {}
+def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState, str]]:
+    """``(qualified name, module, tiling state, strategy name)`` of every tiled module, resolving ``auto``
+    against the model given (it may be the wrapper)."""
     for name, module in model.named_modules():
         state = module.__dict__.get(STATE_ATTR)
         if state is None:
             continue
         if state.forced is not None:
-            out[name] = state.forced.name
-            continue
-        out[name] = strategy_for(_wrapping_of(module_path(model, module), state.spec.slots)).name
-    return out
+            yield name, module, state, state.forced.name
+        else:
+            yield name, module, state, strategy_for(_wrapping_of(module_path(model, module), state.spec.slots)).name
 
+
+def tiled_names(model: nn.Module) -> dict[str, str]:
+    """Qualified name → strategy name (see :func:`tiled_states`)."""
+    return {name: strategy for name, _, _, strategy in tiled_states(model)}

@@ -17,7 +17,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from .distributed.strategies import Strategy
-from .forms import GLUForm, GLULayout, ModuleForm, Slot
+from .forms import ModuleForm, Slot
+from .mlp_form import MLPForm, MLPLayout
 from .function import TileCall, run_tiled
 from .sharding import ShardPolicy
 
@@ -64,12 +65,12 @@ class TiledCallSpec:
     name: str
     slots: tuple[Slot, ...]
     policy: ShardPolicy
-    glu: Optional[tuple[str, GLULayout]] = None  # (activation, layout over slot indices)
+    layout: Optional[MLPLayout] = None  # the fast form's layout over slot indices; None: generic
     is_moe: bool = False
     grad_accum_dtype: Optional[torch.dtype] = None
 
     def __call__(self, strategy: Strategy, module: nn.Module, forward: Callable[[torch.Tensor], Any],
-                 x: torch.Tensor, glu_allowed: bool = True):
+                 x: torch.Tensor, fast_allowed: bool = True):
         """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form)."""
         hidden = x.shape[-1]
         with record_function("tiledmlp::call"), strategy.forward_context(module):
@@ -78,14 +79,16 @@ class TiledCallSpec:
             if self.is_moe:
                 _check_router_logits_not_recorded(self.name)
             tokens = x.numel() // hidden
-            if self.glu is not None and glu_allowed:
-                activation, lay = self.glu
-                lay = _remap(lay, index)
-                w_down = tensors[lay.down_w]
-                itemsize = _compute_itemsize(x, w_down)
-                shard_rows, chunks = self.policy.glu_tile(tokens, w_down.shape[-1], itemsize)
-                forward_rows = self.policy.glu_forward_rows(w_down.shape[-1], itemsize, shard_rows)
-                form: Any = GLUForm(activation, lay, chunks)
+            accum = self.grad_accum_dtype
+            if self.layout is not None and fast_allowed:
+                lay = self.layout.remap(index)
+                inter = lay.inter(tensors)
+                itemsize = _compute_itemsize(x, tensors[lay.down.weight])
+                shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
+                forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
+                form: Any = MLPForm(lay, chunks)
+                if accum is None:
+                    accum = lay.default_grad_accum_dtype
             else:
                 shard_rows = forward_rows = self.policy.shard_rows(tokens, hidden)
                 form = ModuleForm(forward, self.slots, index, x.dim())
@@ -95,7 +98,7 @@ class TiledCallSpec:
                 forward_rows=forward_rows,
                 lead_shape=tuple(x.shape[:-1]),
                 around_backward=strategy.backward_context(tensors),
-                grad_accum_dtype=self.grad_accum_dtype,
+                grad_accum_dtype=accum,
             )
             outs = run_tiled(call, x.reshape(-1, hidden), tensors)
         return outs if form.returned_tuple else outs[0]
@@ -106,10 +109,3 @@ def _compute_itemsize(x: torch.Tensor, w: torch.Tensor) -> int:
     if torch.is_autocast_enabled(x.device.type):
         return torch.finfo(torch.get_autocast_dtype(x.device.type)).bits // 8
     return w.element_size()
-
-
-def _remap(lay: GLULayout, index: Sequence[int]) -> GLULayout:
-    def m(i: Optional[int]) -> Optional[int]:
-        return None if i is None else index[i]
-
-    return GLULayout(m(lay.gate_w), m(lay.gate_b), m(lay.up_w), m(lay.up_b), m(lay.down_w), m(lay.down_b))

@@ -6,9 +6,10 @@ Auto policy (``tiledmlp.enable_tiling`` defaults), measured on an H200 for the L
 =====================  ==================================================================================
 form                   shard size
 =====================  ==================================================================================
-fast GLU form          backward: for one and for two intermediate blocks, the largest shard up to
-                       16384 tokens whose backward scratch (``glu_scratch_per_token``: gate and up
-                       rows of a block plus one ``dh`` column block) fits ``scratch_mib`` (default
+fast GLU / MLP form    backward: for one and for two intermediate blocks, the largest shard up to
+                       16384 tokens whose backward scratch (``mlp_scratch_per_token``: gate and up
+                       rows of a block, or up alone for a plain MLP, plus one ``dh`` column block)
+                       fits ``scratch_mib`` (default
                        512 MiB); of the two, the one needing fewer shards (then one block). Below
                        1024 tokens the intermediate dimension is split further instead. Shards are
                        made equal-sized. Forward: equal parts of a backward shard whose gate and up
@@ -35,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "glu_scratch_per_token",
+__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token",
            "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
            "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
 
@@ -67,22 +68,25 @@ def chunk_bounds(size: int, chunks: int, align: Optional[int] = None) -> list[tu
 
 
 def dh_blocks(width: int) -> list[tuple[int, int]]:
-    """Column blocks in which the GLU backward computes ``dh`` over an intermediate block of ``width``.
+    """Column blocks in which the fast backward computes ``dh`` over an intermediate block of ``width``.
 
-    ``gate`` and ``up`` are recomputed whole (two big GEMMs), but ``dh``, and the ``h`` that the
-    activation kernel writes over it, exist one block at a time: the scratch is ``2 + 1/blocks``
-    rows of ``width`` instead of 3, for the price of splitting two of the seven GEMMs of a shard.
-    Blocks are multiples of 1024 wide (``_DH_ALIGN``), so the last one may be narrower.
+    The pre-activations (``gate`` and ``up``, or ``up``) are recomputed whole (big GEMMs), but ``dh``,
+    and the ``h`` that the activation kernel writes over it, exist one block at a time: the scratch
+    is ``2 + 1/blocks`` rows of ``width`` instead of 3 for a GLU, for the price of splitting two of
+    the seven GEMMs of a shard. Blocks are multiples of 1024 wide (``_DH_ALIGN``), so the last one
+    may be narrower. (Equal 64-aligned blocks for a plain MLP, 4 x 1600 instead of 3 x 2048 + 256 for
+    GPT-2-XL, measured no faster on an H200.)
     """
     return chunk_bounds(width, max(1, min(DH_SPLIT, width // _DH_BLOCK_MIN)), _DH_ALIGN)
 
 
-def glu_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1) -> int:
-    """Bytes of fast-GLU backward scratch per token of a shard: ``gate`` and ``up`` rows of one
-    intermediate block, and one ``dh`` column block."""
+def mlp_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1, gated: bool = True) -> int:
+    """Bytes of fast-form backward scratch per token of a shard: the recomputed pre-activation rows
+    of one intermediate block (``gate`` and ``up`` for a GLU, ``up`` alone for a plain MLP) and one
+    ``dh`` column block."""
     width = max(stop - start for start, stop in chunk_bounds(inter, inter_chunks))
     dh_width = max(stop - start for start, stop in dh_blocks(width))
-    return (2 * width + dh_width) * itemsize
+    return ((2 if gated else 1) * width + dh_width) * itemsize
 
 
 def auto_num_shards(tokens: int, hidden: int) -> int:
@@ -145,8 +149,9 @@ class ShardPolicy:
         fixed = self._fixed_rows(tokens)
         return fixed if fixed is not None else math.ceil(tokens / auto_num_shards(tokens, hidden))
 
-    def glu_tile(self, tokens: int, inter: int, itemsize: int) -> tuple[int, int]:
-        """``(tokens per backward shard, intermediate blocks)`` for the fast GLU form.
+    def mlp_tile(self, tokens: int, inter: int, itemsize: int, gated: bool = True) -> tuple[int, int]:
+        """``(tokens per backward shard, intermediate blocks)`` for the fast forms (GLU, or plain MLP
+        with ``gated=False``).
 
         Automatic choice: for each block count up to ``MAX_AUTO_INTER_CHUNKS`` (or the one given), the
         largest shard whose scratch fits the budget; of these, the one with the fewest shards (each
@@ -157,7 +162,7 @@ class ShardPolicy:
         rows, chunks = self._fixed_rows(tokens), self.inter_chunks
         if rows is None:
             counts = [chunks] if chunks is not None else range(1, MAX_AUTO_INTER_CHUNKS + 1)
-            fits = {c: _fitting_rows(budget, glu_scratch_per_token(inter, itemsize, c)) for c in counts}
+            fits = {c: _fitting_rows(budget, mlp_scratch_per_token(inter, itemsize, c, gated)) for c in counts}
             fits = {c: r for c, r in fits.items() if r >= _MIN_TILE}
             if fits:
                 best = min(fits, key=lambda c: (math.ceil(tokens / fits[c]), c))
@@ -165,16 +170,16 @@ class ShardPolicy:
             rows = min(_MIN_TILE, tokens)  # even the smallest shard is over budget: split the intermediate more
         if chunks is None:
             chunks = 1
-            while chunks < inter and rows * glu_scratch_per_token(inter, itemsize, chunks) > budget:
+            while chunks < inter and rows * mlp_scratch_per_token(inter, itemsize, chunks, gated) > budget:
                 chunks += 1
         return rows, chunks
 
-    def glu_forward_rows(self, inter: int, itemsize: int, backward_rows: int) -> int:
-        """Tokens per forward shard of the fast GLU form: the backward's ``backward_rows``, or fewer
-        when the forward's own scratch (``gate`` and ``up`` rows, ``2 * inter`` elements per token, which
-        intermediate blocks do not split) would exceed the budget."""
+    def mlp_forward_rows(self, inter: int, itemsize: int, backward_rows: int, gated: bool = True) -> int:
+        """Tokens per forward shard of the fast forms: the backward's ``backward_rows``, or fewer when
+        the forward's own scratch (``gate`` and ``up`` rows, ``2 * inter`` elements per token, or
+        ``inter`` for a plain MLP; intermediate blocks do not split it) would exceed the budget."""
         budget = self._budget_bytes()
-        fits = max(1, int(budget // (2 * inter * itemsize)))
+        fits = max(1, int(budget // ((2 if gated else 1) * inter * itemsize)))
         return math.ceil(backward_rows / math.ceil(backward_rows / fits))  # equal parts of a backward shard
 
 

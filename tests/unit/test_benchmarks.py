@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
+import bench_mlp  # noqa: E402
 
 
 def _csv(path: Path) -> list[dict[str, str]]:
@@ -46,8 +47,26 @@ def test_bench_longctx_smoke(tmp_path):
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
 
 
+def test_bench_mlp_styles_smoke(tmp_path):
+    """Every MLP style in one run, each against its own eager block; tiledmlp's rows near float64."""
+    styles = ",".join(bench_mlp.STYLES)
+    bench_mlp.main(["--smoke", "--style", styles, "--out", str(tmp_path)])
+    stem = f"bench_mlp_cpu_silu_{styles.replace(',', '-')}_quick"
+    rows = _csv(tmp_path / f"{stem}.csv")
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
+    assert {r["style"] for r in rows} == set(bench_mlp.STYLES)
+    for style in bench_mlp.STYLES:
+        mine = [r for r in rows if r["style"] == style]
+        assert {r["provider"] for r in mine} >= {"eager", "tiledmlp", "tiledmlp_fp32acc"}
+        for row in mine:
+            assert float(row["time_ms"]) > 0 and float(row["time_ratio_vs_eager"]) > 0
+            assert max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit, match="unknown provider"):
         bench_loss.available(["hf", "magic"], bench_loss.torch.device("cpu"))
     with pytest.raises(SystemExit, match="unknown variants"):
         bench_longctx.parse_args(["--variants", "loss,magic"])
+    with pytest.raises(SystemExit, match="--style"):
+        bench_mlp.parse_args(["--quick", "--style", "act_fn,magic"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tiledmlp
-from unit_helpers import llama_mlp, rel_err
+from mlp_styles import H as STYLE_HIDDEN, STYLES
+from unit_helpers import assert_bf16_within_untiled, llama_mlp, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 H, I, T = 1024, 2816, 8192
@@ -61,6 +62,17 @@ def _backward_peak(module) -> int:
     module(x).backward(g)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_mlp_styles_bf16_on_gpu(style):
+    """Every style gets its form on CUDA (the probe, the Triton kernels) and stays in the bf16 band."""
+    factory, form, _ = STYLES[style]
+    torch.manual_seed(0)
+    base = factory().cuda()
+    assert tiledmlp.describe(tiledmlp.enable_tiling(copy.deepcopy(base)))[""].form == form
+    x = torch.randn(1, 256, STYLE_HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    assert_bf16_within_untiled(base, lambda m: tiledmlp.enable_tiling(m, num_shards=8), x)
 
 
 def test_tiled_peak_memory_is_far_below_untiled():

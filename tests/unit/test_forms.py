@@ -14,7 +14,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 import tiledmlp
 from tiledmlp import sharding
 from tiledmlp.accumulate import GradAccumulator
-from tiledmlp.forms import GLUForm, GLULayout
+from tiledmlp.mlp_form import MLPForm, MLPLayout, Proj
 from tiledmlp.patching import STATE_ATTR
 from unit_helpers import assert_close_rel, assert_grads_match, leaf_like, llama_mlp, pair
 
@@ -65,8 +65,8 @@ def test_glu_forward_computes_into_the_output_rows(bias):
     dtype is left alone."""
     mlp = llama_mlp(bias=bias)
     params = [p for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj) for p in (m.weight, m.bias) if p is not None]
-    layout = GLULayout(*(range(6) if bias else (0, None, 1, None, 2, None)))
-    form = GLUForm("silu", layout)
+    gate, up, down = (Proj(2 * i, 2 * i + 1) if bias else Proj(i) for i in range(3))
+    form = MLPForm(MLPLayout("silu", up, down, gate=gate))
     x = torch.randn(7, 32)
     with torch.no_grad():
         (ref,) = form.forward_shard(x, params)
@@ -130,8 +130,8 @@ def test_glu_forward_cuts_its_own_shards_within_the_budget(monkeypatch):
     """The forward keeps gate and up of a whole intermediate, so it may cut a backward shard into
     equal parts (a tiny budget here: 256-token backward shards, forward shards of 64 tokens)."""
     calls = []
-    real = GLUForm.forward_shard
-    monkeypatch.setattr(GLUForm, "forward_shard", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    real = MLPForm.forward_shard
+    monkeypatch.setattr(MLPForm, "forward_shard", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
     tiled, ref = pair(llama_mlp(intermediate=2048))
     tiledmlp.enable_tiling(tiled, tile_tokens=256, scratch_mib=1)  # 1 MiB: 64 tokens of float32 gate and up
     calls.clear()  # enable_tiling's own probe
@@ -224,15 +224,27 @@ def test_generic_form_releases_each_shard_gradient_once_accumulated(monkeypatch)
     assert len(seen) == 3 * len(list(tiled.mlp.parameters()))
 
 
+class OneLayer(nn.Module):
+    """Per-token, but no hidden -> intermediate -> hidden chain: not recognizable by computation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
 def test_register_mlp_makes_a_type_recognizable(monkeypatch):
     monkeypatch.setattr("tiledmlp.patching._REGISTERED", [])
     torch.manual_seed(0)
-    model = Block()
+    model = nn.Sequential(OneLayer())
     with pytest.raises(ValueError, match="register_mlp"):
         tiledmlp.enable_tiling(model)
-    tiledmlp.register_mlp(TwoLayerMLP)
+    tiledmlp.register_mlp(OneLayer)
     tiledmlp.enable_tiling(model, num_shards=2)
-    assert tiledmlp.tiled_modules(model) == {"mlp": "plain"}
+    assert tiledmlp.tiled_modules(model) == {"0": "plain"}
+    assert tiledmlp.describe(model)["0"].reason.startswith("registered")
 
 
 def test_multi_output_module_keeps_every_output_exact():

@@ -1,4 +1,4 @@
-"""Tests for the fused GLU kernels in ``tiledmlp.kernels``.
+"""Tests for the fused activation kernels in ``tiledmlp.kernels`` (GLU and plain MLP).
 
 Both backends are checked against float64 autograd references. On CPU the
 Triton kernels only run under the Triton interpreter, which must be enabled
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiledmlp.kernels import ACTIVATIONS, glu_backward_, glu_forward, use_triton
+from tiledmlp.kernels import ACTIVATIONS, glu_backward_, glu_forward, mlp_backward_, mlp_forward, use_triton
 from unit_helpers import run_interpreted
 
 # The interpreter evaluates sigmoid's exp(-x) in numpy, which warns when it
@@ -37,7 +37,8 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch
 CASES = (("contiguous", 7, 5), ("fused", 33, 300), ("padded", 9, 129), ("fused", 3, 1500))
 PAD = 3
 
-_TORCH_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_TORCH_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                      "relu": F.relu, "relu2": lambda x: F.relu(x).square()}
 
 
 class Inputs(NamedTuple):
@@ -160,11 +161,53 @@ def test_forward_allocates_output_or_writes_in_place(backend, dtype, activation)
     assert_close_to_reference(x.gate, h)
 
 
+def mlp_reference(grad_h: torch.Tensor, u: torch.Tensor, activation: str):
+    """float64 ``(h, d_u)`` via autograd of ``sum(act(u) * grad_h)``."""
+    x = u.double().requires_grad_()
+    h = _TORCH_ACTIVATIONS[activation](x)
+    (d_u,) = torch.autograd.grad((h * grad_h.double()).sum(), (x,))
+    return h.detach(), d_u
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_mlp_kernels_match_float64_reference(backend, dtype, activation, case):
+    """Plain-MLP activation: forward into a poisoned (possibly strided) output, then the in-place
+    backward over the same ``u`` (the pre-activation is ``gate``, strided in the fused layout)."""
+    layout, rows, cols = case
+    x = make_inputs(layout, rows, cols, dtype)
+    h, d_u = mlp_reference(x.grad_h, x.gate, activation)
+    out = torch.full((rows, cols), math.nan, dtype=dtype)
+    if layout == "padded":
+        out = _padded(out, x.padding)
+    assert mlp_forward(x.gate, activation, out=out, backend=backend) is out
+    assert_close_to_reference(out, h)
+    assert_close_to_reference(mlp_forward(x.gate, activation, backend=backend), h)
+    ptrs = [t.data_ptr() for t in (x.grad_h, x.gate)]
+    assert mlp_backward_(x.grad_h, x.gate, activation, backend=backend) is None
+    assert [t.data_ptr() for t in (x.grad_h, x.gate)] == ptrs
+    assert_close_to_reference(x.grad_h, h)
+    assert_close_to_reference(x.gate, d_u)
+    assert_padding_untouched(x)
+
+
+def test_mlp_kernels_reject_shared_buffers_and_unknown_activations():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="share memory"):
+        mlp_backward_(x, x, "silu")
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        mlp_forward(x, "tanh")
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_empty_inputs_are_a_no_op(backend):
     empty = torch.empty(0, 16)
     assert glu_forward(empty, empty.clone(), "silu", backend=backend).shape == (0, 16)
     glu_backward_(empty, empty.clone(), empty.clone(), "silu", backend=backend)
+    assert mlp_forward(empty, "relu", backend=backend).shape == (0, 16)
+    mlp_backward_(empty, empty.clone(), "relu", backend=backend)
 
 
 if INTERPRET and HAS_TRITON:
@@ -222,8 +265,8 @@ def test_triton_backend_without_cuda_or_interpreter_raises(monkeypatch):
 
 def test_rejects_unknown_activation_and_backend():
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"unknown activation 'relu'; supported: 'silu', 'gelu', 'gelu_tanh'"):
-        glu_forward(x, x.clone(), "relu")
+    with pytest.raises(ValueError, match=r"unknown activation 'tanh'; supported: 'silu', 'gelu', 'gelu_tanh', 'relu'"):
+        glu_forward(x, x.clone(), "tanh")
     with pytest.raises(ValueError, match=r"unknown activation 'swish'; supported: 'silu'"):
         glu_backward_(x, x.clone(), x.clone(), "swish")
     with pytest.raises(ValueError, match=r"unknown backend 'cuda'; use one of 'auto', 'triton', 'torch'"):

@@ -101,13 +101,13 @@ def test_checkpointed_tiled_mlp_is_not_recomputed_by_non_reentrant_checkpoint(mo
     """The tiled node saves nothing itself (its input keeper does), so checkpoint's early stop ends
     the recompute before the tiled forward: 2 MLP forwards per step instead of 3 (1 + the per-shard
     recompute in backward, which is counted separately here)."""
-    from tiledmlp.forms import GLUForm
+    from tiledmlp.mlp_form import MLPForm
 
     model = tiledmlp.enable_tiling(build("llama"), num_shards=3)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     counts = {"forward": 0, "backward": 0}
-    real_fwd, real_bwd = GLUForm.forward_shard, GLUForm.backward_shard
+    real_fwd, real_bwd = MLPForm.forward_shard, MLPForm.backward_shard
 
     def count(key, real):
         def wrapper(self, *a, **k):
@@ -115,8 +115,8 @@ def test_checkpointed_tiled_mlp_is_not_recomputed_by_non_reentrant_checkpoint(mo
             return real(self, *a, **k)
         return wrapper
 
-    monkeypatch.setattr(GLUForm, "forward_shard", count("forward", real_fwd))
-    monkeypatch.setattr(GLUForm, "backward_shard", count("backward", real_bwd))
+    monkeypatch.setattr(MLPForm, "forward_shard", count("forward", real_fwd))
+    monkeypatch.setattr(MLPForm, "backward_shard", count("backward", real_bwd))
     loss_and_grads(model, batch())
     layers, shards = 2, 3
     assert counts == {"forward": forwards_per_step * layers * shards, "backward": layers * shards}

@@ -14,36 +14,18 @@ import torch
 
 import tiledmlp
 from tiledmlp import accumulate
-from unit_helpers import llama_mlp, rel_err
+from unit_helpers import bf16_signal, assert_bf16_within_untiled, llama_mlp, rel_err
 
 H, I, T, SHARDS = 64, 224, 512, 8
-
-
-def _grads(module, x, g, dtype):
-    xx = x.to(dtype).requires_grad_()
-    y = module(xx)
-    y.backward(g.to(dtype))
-    return {"output": y.detach(), "input grad": xx.grad, **{n: p.grad for n, p in module.named_parameters()}}
 
 
 @pytest.mark.parametrize("form, inter_chunks", [("auto", 1), ("auto", 4), ("generic", None)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bf16_tiled_error_within_untiled_error(form, inter_chunks, seed):
-    base = llama_mlp(H, I, seed=seed)
-    ref = copy.deepcopy(base).double()
-    untiled = copy.deepcopy(base).bfloat16()
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=SHARDS, form=form,
-                                   inter_chunks=inter_chunks)
-    gen = torch.Generator().manual_seed(100 + seed)
-    x, g = torch.randn(1, T, H, generator=gen), torch.randn(1, T, H, generator=gen)
-    want = _grads(ref, x, g, torch.float64)
-    got_untiled = _grads(untiled, x, g, torch.bfloat16)
-    got_tiled = _grads(tiled, x, g, torch.bfloat16)
-    for key, ref_value in want.items():
-        e_untiled = rel_err(got_untiled[key], ref_value)
-        e_tiled = rel_err(got_tiled[key], ref_value)
-        assert 1e-4 < e_untiled < 2e-2, f"{key}: implausible untiled bf16 error {e_untiled:.2e}"
-        assert e_tiled <= 1.1 * e_untiled, f"{key}: tiled {e_tiled:.3e} vs untiled {e_untiled:.3e}"
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(100 + seed))
+    assert_bf16_within_untiled(
+        llama_mlp(H, I, seed=seed),
+        lambda m: tiledmlp.enable_tiling(m, num_shards=SHARDS, form=form, inter_chunks=inter_chunks), x)
 
 
 @pytest.mark.parametrize("inter_chunks", [1, 2])
@@ -59,9 +41,9 @@ def test_bf16_block_scaled_column_blocks_within_untiled_error(monkeypatch, inter
     tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=SHARDS, inter_chunks=inter_chunks)
     gen = torch.Generator().manual_seed(105)
     x, g = torch.randn(1, T, H, generator=gen), torch.randn(1, T, H, generator=gen)
-    want = _grads(copy.deepcopy(base).double(), x, g, torch.float64)
-    got_untiled = _grads(copy.deepcopy(base).bfloat16(), x, g, torch.bfloat16)
-    got_tiled = _grads(tiled, x, g, torch.bfloat16)
+    want = bf16_signal(copy.deepcopy(base).double(), x, g, torch.float64)
+    got_untiled = bf16_signal(copy.deepcopy(base).bfloat16(), x, g, torch.bfloat16)
+    got_tiled = bf16_signal(tiled, x, g, torch.bfloat16)
     # gate and up: one block per intermediate block; down: one per dh block (2 of 1024 columns)
     assert finals.count(True) == 2 * inter_chunks + 2
     for key, ref_value in want.items():
@@ -75,9 +57,9 @@ def test_fp32_accumulators_are_what_keeps_bf16_precise():
     ref = copy.deepcopy(base).double()
     gen = torch.Generator().manual_seed(7)
     x, g = torch.randn(1, 4 * T, H, generator=gen), torch.randn(1, 4 * T, H, generator=gen)
-    want = _grads(ref, x, g, torch.float64)["down_proj.weight"]
+    want = bf16_signal(ref, x, g, torch.float64)["down_proj.weight"]
     errs = {}
     for accum in (None, torch.bfloat16):
         tiled = tiledmlp.enable_tiling(copy.deepcopy(base).bfloat16(), num_shards=64, grad_accum_dtype=accum)
-        errs[accum] = rel_err(_grads(tiled, x, g, torch.bfloat16)["down_proj.weight"], want)
+        errs[accum] = rel_err(bf16_signal(tiled, x, g, torch.bfloat16)["down_proj.weight"], want)
     assert errs[None] * 1.5 < errs[torch.bfloat16], errs

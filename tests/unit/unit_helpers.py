@@ -60,6 +60,26 @@ def assert_grads_match(tiled: nn.Module, ref: nn.Module, tol: float = 1e-5) -> N
             assert_close_rel(p.grad, q.grad, tol, name)
 
 
+def bf16_signal(module: nn.Module, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> dict:
+    xx = x.to(dtype).requires_grad_()
+    y = module(xx)
+    y.backward(g.to(dtype))
+    return {"output": y.detach(), "input grad": xx.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+def assert_bf16_within_untiled(base: nn.Module, tile, x: torch.Tensor, factor: float = 1.1) -> None:
+    """bf16: ``tile(bf16 copy of base)``'s output, input gradient and parameter gradients are as close
+    to a float64 run of the same weights as the untiled bf16 module's, within ``factor``."""
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(100)).to(x.device)
+    want = bf16_signal(copy.deepcopy(base).double(), x, g, torch.float64)
+    got_untiled = bf16_signal(copy.deepcopy(base).bfloat16(), x, g, torch.bfloat16)
+    got_tiled = bf16_signal(tile(copy.deepcopy(base).bfloat16()), x, g, torch.bfloat16)
+    for key, ref_value in want.items():
+        e_untiled, e_tiled = rel_err(got_untiled[key], ref_value), rel_err(got_tiled[key], ref_value)
+        assert 1e-4 < e_untiled < 5e-2, f"{key}: implausible untiled bf16 error {e_untiled:.2e}"
+        assert e_tiled <= factor * e_untiled, f"{key}: tiled {e_tiled:.3e} vs untiled {e_untiled:.3e}"
+
+
 def run_interpreted(test_file: str, keyword: str) -> None:
     """Run ``test_file``'s tests matching ``keyword`` in a child pytest with ``TRITON_INTERPRET=1``
     (Triton picks interpreter or compiler when a kernel is defined, i.e. at import), so a plain CPU run

@@ -36,7 +36,7 @@ except ImportError:  # Triton is optional: the torch reference still works.
 
 __all__ = ["ACTIVATIONS", "Backend", "glu_backward_", "glu_forward", "use_triton"]
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -190,6 +190,10 @@ def _activation_torch(x: Tensor, activation: str) -> Tensor:
         return x * torch.sigmoid(x)
     if activation == "gelu":
         return x * (0.5 + 0.5 * torch.erf(x * _SQRT1_2))
+    if activation == "relu":
+        return x.clamp_min(0)
+    if activation == "relu2":
+        return x.clamp_min(0).square()
     return x * torch.sigmoid(_TWO_SQRT_2_OVER_PI * x * (1.0 + _GELU_TANH_C * x * x))
 
 
@@ -201,6 +205,9 @@ def _activation_and_grad_torch(x: Tensor, activation: str) -> tuple[Tensor, Tens
     if activation == "gelu":
         cdf = 0.5 + 0.5 * torch.erf(x * _SQRT1_2)
         return x * cdf, cdf + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+    if activation in ("relu", "relu2"):
+        r = x.clamp_min(0)
+        return (r, (x > 0).to(x.dtype)) if activation == "relu" else (r * r, 2 * r)
     x2 = x * x
     s = torch.sigmoid(_TWO_SQRT_2_OVER_PI * x * (1.0 + _GELU_TANH_C * x2))
     return x * s, s + _TWO_SQRT_2_OVER_PI * x * s * (1.0 - s) * (1.0 + 3.0 * _GELU_TANH_C * x2)

@@ -9,8 +9,8 @@ stride, so ``gate`` and ``up`` may be the column halves of one fused
 ``[b * BLOCK_N, (b + 1) * BLOCK_N)`` of row ``r``. Elements are loaded in the
 tensors' dtype, all math is float32, and results are cast back on store.
 
-``ACTIVATION`` is a compile-time string: ``"silu"``, ``"gelu"`` (exact, erf) or
-``"gelu_tanh"`` (tanh approximation). The tanh form is evaluated through the
+``ACTIVATION`` is a compile-time string: ``"silu"``, ``"gelu"`` (exact, erf),
+``"gelu_tanh"`` (tanh approximation), ``"relu"`` or ``"relu2"`` (squared ReLU). The tanh form is evaluated through the
 identity ``0.5 * (1 + tanh(z)) = sigmoid(2 * z)``, which needs no tanh
 intrinsic and stays accurate where ``1 + tanh(z)`` would cancel.
 """
@@ -31,9 +31,14 @@ def _activation(x, ACTIVATION: tl.constexpr):
         a = x * tl.sigmoid(x)
     elif ACTIVATION == "gelu":
         a = x * (0.5 + 0.5 * tl.erf(x * 0.7071067811865476))
-    else:
-        tl.static_assert(ACTIVATION == "gelu_tanh")
+    elif ACTIVATION == "gelu_tanh":
         a = x * tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
+    elif ACTIVATION == "relu":
+        a = tl.maximum(x, 0.0)
+    else:
+        tl.static_assert(ACTIVATION == "relu2")
+        r = tl.maximum(x, 0.0)
+        a = r * r
     return a
 
 
@@ -48,6 +53,13 @@ def _activation_and_grad(x, ACTIVATION: tl.constexpr):
         cdf = 0.5 + 0.5 * tl.erf(x * 0.7071067811865476)
         a = x * cdf
         da = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACTIVATION == "relu":
+        a = tl.maximum(x, 0.0)
+        da = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "relu2":
+        r = tl.maximum(x, 0.0)
+        a = r * r
+        da = 2.0 * r
     else:
         tl.static_assert(ACTIVATION == "gelu_tanh")
         x2 = x * x

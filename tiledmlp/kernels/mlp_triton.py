@@ -1,0 +1,57 @@
+"""Triton kernels for a plain MLP's activation: ``h = act(u)``.
+
+Kernels only; launch them through :mod:`tiledmlp.kernels.mlp`. Same conventions as
+:mod:`tiledmlp.kernels.glu_triton` (2-D tensors with unit column stride and their own row
+stride; float32 math; one rounding per stored result), whose activation functions they share.
+"""
+
+import triton
+import triton.language as tl
+
+from tiledmlp.kernels.glu_triton import _activation, _activation_and_grad
+
+
+@triton.jit
+def mlp_forward_kernel(
+    u_ptr,
+    out_ptr,
+    n_cols,
+    stride_u,
+    stride_out,
+    ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out = act(u)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    h = _activation(u, ACTIVATION)
+    tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def mlp_backward_kernel(
+    grad_h_ptr,
+    u_ptr,
+    n_cols,
+    stride_grad_h,
+    stride_u,
+    ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """In place: grad_h <- act(u), u <- grad_h * act'(u).
+
+    Each program loads its elements before storing any, so overwriting the inputs is safe as
+    long as the two tensors do not overlap.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    grad_h_ptrs = grad_h_ptr + row * stride_grad_h + cols
+    u_ptrs = u_ptr + row * stride_u + cols
+    grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
+    act, act_grad = _activation_and_grad(u, ACTIVATION)
+    tl.store(grad_h_ptrs, act.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(u_ptrs, (grad_h * act_grad).to(u_ptr.dtype.element_ty), mask=mask)
