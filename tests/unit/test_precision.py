@@ -14,7 +14,7 @@ import torch
 
 import tiledmlp
 from tiledmlp import accumulate
-from unit_helpers import bf16_signal, assert_bf16_within_untiled, llama_mlp, rel_err
+from unit_helpers import assert_bf16_within_untiled, bf16_signal, llama_mlp, rel_err
 
 H, I, T, SHARDS = 64, 224, 512, 8
 
