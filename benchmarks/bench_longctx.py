@@ -33,7 +33,6 @@ import math
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,7 +46,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
-                       print_rows, save_figure, subplots, write_csv_rows)
+                       print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
@@ -128,17 +127,9 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
 
 
 def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
-    status = None
-    try:
-        return run_variant(model, variant, tokens, args, device)
-    except torch.OutOfMemoryError:
-        status = "oom"
-    except Exception:  # a failing variant must not hide the others' results
-        traceback.print_exc()
-        status = "error"
-    finally:
-        free(model, device)
-    return {"peak_gib": status, "step_s": status, "tokens_per_s": status, "steps": 0, "loss": status}
+    row = run_or_status(lambda: run_variant(model, variant, tokens, args, device), lambda: free(model, device),
+                        ("peak_gib", "step_s", "tokens_per_s", "steps", "loss"))
+    return {**row, "steps": 0} if isinstance(row["step_s"], str) else row
 
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:

@@ -31,7 +31,6 @@ import math
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -44,7 +43,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
 from bench_mlp import (cuda_median_ms, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
-                       plot_lines, print_rows, release_memory, save_figure, subplots, write_csv_rows)
+                       plot_lines, print_rows, release_memory, run_or_status, save_figure, subplots,
+                       write_csv_rows)
 
 PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
@@ -239,18 +239,11 @@ def measure(provider: str, x, w, labels, ref, args) -> dict[str, Any]:
 
 
 def measure_or_record(provider: str, x, w, labels, ref, args) -> dict[str, Any]:
-    status = None
-    try:
-        return measure(provider, x, w, labels, ref, args)
-    except torch.OutOfMemoryError:
-        status = "oom"
-    except Exception:  # a failing provider must not hide the others' results
-        traceback.print_exc()
-        status = "error"
-    finally:
+    def cleanup() -> None:
         x.grad = w.grad = None
         release_memory()
-    return {"time_ms": status, "peak_mib": status}
+
+    return run_or_status(lambda: measure(provider, x, w, labels, ref, args), cleanup, ("time_ms", "peak_mib"))
 
 
 def run_shape(vocab: int, tokens: int, providers: list[str], args, device, dtype) -> list[dict[str, Any]]:

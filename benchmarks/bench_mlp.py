@@ -541,22 +541,36 @@ def measure(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Te
     return result
 
 
-def measure_or_record(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor,
-                      grad_out: torch.Tensor, ref: Optional[Reference], args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`measure`, with an out-of-memory or failing provider recorded as "oom" / "error"."""
+def run_or_status(run: Callable[[], dict[str, Any]], cleanup: Callable[[], None],
+                  columns: tuple[str, ...]) -> dict[str, Any]:
+    """``run()``; if it runs out of memory or raises, ``columns`` all "oom" / "error" (the traceback
+    printed), so one failing provider or variant does not hide the others' results. ``cleanup()`` always."""
     status = None
     try:
-        return measure(name, shape, state, x, grad_out, ref, args)
+        return run()
     except torch.OutOfMemoryError:
         status = "oom"
-    except Exception:  # a provider that breaks must not hide the others' results
+    except Exception:
         traceback.print_exc()
         status = "error"
     finally:
+        cleanup()
+    return dict.fromkeys(columns, status)
+
+
+def measure_or_record(name: str, shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor,
+                      grad_out: torch.Tensor, ref: Optional[Reference], args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure`, with an out-of-memory or failing provider recorded as "oom" / "error"."""
+
+    def cleanup() -> None:
         x.grad = None
         release_memory()
-    print(f"  {name}: {status}")
-    return {"time_ms": status, "peak_mib": status, "err_out": status, "err_dx": status, "err_w_max": status}
+
+    row = run_or_status(lambda: measure(name, shape, state, x, grad_out, ref, args), cleanup,
+                        ("time_ms", "peak_mib", "err_out", "err_dx", "err_w_max"))
+    if isinstance(row["time_ms"], str):
+        print(f"  {name}: {row['time_ms']}")
+    return row
 
 
 def reference_or_none(shape: Shape, state: dict[str, torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,

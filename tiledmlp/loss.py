@@ -41,7 +41,6 @@ added (each gradient reaches the wrapper once per backward).
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
@@ -55,10 +54,9 @@ from .distributed.detect import is_dtensor
 from .distributed.strategies import PlainStrategy, Strategy
 from .function import TileCall, run_tiled
 from .kernels.cross_entropy import LogitTransform, ce_finalize, ce_grad_, ce_stats_, new_stats, stats_dtype
+from .logs import warn_once
 from .sharding import LOSS_MODES, LOSS_PARTIAL_MIB, MIN_FUSED_ROWS, chunk_bounds, loss_budget_bytes, loss_tile
 
-log = logging.getLogger("tiledmlp")
-_REPORTED: set[tuple[int, int, int]] = set()  # (vocab, itemsize, budget) of recompute fallbacks already logged
 
 __all__ = ["CrossEntropySpec", "LinearCrossEntropyForm", "LogitTransform", "linear_cross_entropy",
            "tiled_linear_cross_entropy", "REDUCTIONS"]
@@ -287,14 +285,12 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
 
 def _report_recompute(name: str, vocab: int, itemsize: int, budget: int, rows: int) -> None:
     """Say once per shape that the automatic policy took the slower, recomputing mode."""
-    if (vocab, itemsize, budget) in _REPORTED:
-        return
-    _REPORTED.add((vocab, itemsize, budget))
     needed = (MIN_FUSED_ROWS * vocab * itemsize + LOSS_PARTIAL_MIB * 2**20) / 2**20
-    log.warning("%s: logits are recomputed in backward (8 instead of 6 T*H*V FLOP): a fused shard of the %d-class "
-                "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %.0f MiB "
-                "or more fuses it (enable_tiling(..., loss_scratch_mib=) or scratch_mib=).", name, vocab,
-                MIN_FUSED_ROWS, budget / 2**20, needed)
+    warn_once(("loss recompute", vocab, itemsize, budget),
+              "%s: logits are recomputed in backward (8 instead of 6 T*H*V FLOP): a fused shard of the %d-class "
+              "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %.0f MiB "
+              "or more fuses it (enable_tiling(..., loss_scratch_mib=) or scratch_mib=).", name, vocab,
+              MIN_FUSED_ROWS, budget / 2**20, needed)
 
 
 def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

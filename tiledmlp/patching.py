@@ -19,7 +19,6 @@ instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
 from __future__ import annotations
 
 import inspect
-import logging
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from .forms import Slot
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
+from .logs import warn_once
 from .recognize import Recognized, recognize_mlp
 from .runtime import TiledCallSpec
 from .sharding import ShardPolicy
@@ -42,7 +42,6 @@ from .sharding import ShardPolicy
 __all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "uninstall", "tiled_names", "tiled_states",
            "STATE_ATTR"]
 
-log = logging.getLogger("tiledmlp")
 STATE_ATTR = "_tiledmlp_state"
 _REGISTERED: list[type] = []
 
@@ -220,18 +219,11 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):
 
     fast = not extra
     if not fast and state.spec.layout is not None:
-        _log_once(f"{state.spec.name}: called with extra arguments ({', '.join(map(str, kwargs)) or 'positional'}); the "
-                  f"fast {state.kind} form computes forward(x) only, so these calls take the slower generic form")
+        warn_once(("extra arguments", state.spec.name), "%s: called with extra arguments (%s); the fast %s form "
+                  "computes forward(x) only, so these calls take the slower generic form", state.spec.name,
+                  ", ".join(map(str, kwargs)) or "positional", state.kind)
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
 
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        log.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------

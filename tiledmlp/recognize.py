@@ -219,20 +219,25 @@ def _rel_max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class _Probe:
-    """The module's forward on probe tokens, with float32 copies of its parameters swapped in."""
+    """The module's forward on probe tokens, with float32 copies of its parameters swapped in (made
+    once, whatever input widths are tried)."""
 
-    def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot],
-                 linears: Sequence[LinearLike], hidden: int) -> None:
+    def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot]) -> None:
         self.forward, self.module, self.slots = forward, module, slots
-        params = [s.get() for s in slots]
-        device = params[0].device
-        self.proxies = [p.detach().float() if p.dtype in (torch.bfloat16, torch.float16) else p.detach() for p in params]
-        dtype = self.proxies[0].dtype if self.proxies[0].dtype in (torch.float32, torch.float64) else torch.float32
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=device, dtype=dtype)
-        first = next(lin for lin in linears if lin.in_features == hidden)
-        w = self.proxies[[i for i, s in enumerate(slots) if s == first.weight][0]]
-        pre = x @ (w if first.transposed else w.t())
+        self.proxies = [p.detach().float() if p.dtype in (torch.bfloat16, torch.float16) else p.detach()
+                        for p in (s.get() for s in slots)]
+        self._unique, self._index = dedupe(self.proxies)
+        self.x = torch.empty(0)
+        self.hidden = 0
+
+    def tokens(self, hidden: int, reader: LinearLike, where: dict[tuple[int, str], int]) -> None:
+        """Draw ``hidden``-wide probe tokens, scaled so ``reader`` (a child reading the input) gives
+        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``."""
+        w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]]
+        dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=w.device, dtype=dtype)
+        pre = x @ (w if reader.transposed else w.t())
         self.x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
         self.hidden = hidden
 
@@ -253,9 +258,8 @@ class _Probe:
             return self.forward(x)
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
-        unique, index = dedupe(self.proxies)
         with torch.no_grad(), _exact_float32():
-            return MLPForm(layout.remap(index)).forward_shard(self.x[0], unique)[0]
+            return MLPForm(layout.remap(self._index)).forward_shard(self.x[0], self._unique)[0]
 
 
 def _probe_unavailable(params: Sequence[torch.Tensor], linears: Sequence[LinearLike]) -> str:
@@ -343,8 +347,9 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
         return Recognized("generic", tuple(slots), reason=f"the probe could not run ({unavailable}); enable tiling "
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
+    probe = _Probe(forward, module, slots)
     for hidden in hiddens:  # the input width the forward accepts
-        probe = _Probe(forward, module, slots, linears, hidden)
+        probe.tokens(hidden, next(lin for lin in linears if lin.in_features == hidden), where)
         try:
             ref = probe.reference()
         except Exception as exc:  # the other width, or a forward that needs more than hidden states

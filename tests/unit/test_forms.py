@@ -16,7 +16,7 @@ from tiledmlp import sharding
 from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.mlp_form import MLPForm, MLPLayout, Proj
 from tiledmlp.patching import STATE_ATTR
-from unit_helpers import assert_close_rel, assert_grads_match, leaf_like, llama_mlp, pair
+from unit_helpers import assert_close_rel, assert_grads_match, check_against_untiled, leaf_like, llama_mlp, pair
 
 TOL = 2e-6
 
@@ -25,28 +25,13 @@ def kind_of(module: nn.Module) -> str:
     return module.__dict__[STATE_ATTR].kind
 
 
-def fwd_bwd(module, x, x_requires_grad=True):
-    xx = x.detach().clone().requires_grad_(x_requires_grad)
-    y = module(xx)
-    y.backward(torch.ones_like(y))
-    return y.detach(), xx.grad
-
-
-def check_against_untiled(tiled, ref, x):
-    yt, gt = fwd_bwd(tiled, x)
-    yr, gr = fwd_bwd(ref, x)
-    assert_close_rel(yt, yr, TOL, "output")
-    assert_close_rel(gt, gr, TOL, "input grad")
-    assert_grads_match(tiled, ref, TOL)
-
-
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "gelu_new"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_glu_fast_form(act, bias):
     tiled, ref = pair(llama_mlp(act=act, bias=bias))
     tiledmlp.enable_tiling(tiled, num_shards=3)
     assert kind_of(tiled) == "glu"
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
@@ -55,7 +40,7 @@ def test_fused_gate_up_fast_form(act):
     tiled, ref = pair(Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=72, hidden_act=act)))
     tiledmlp.enable_tiling(tiled, num_shards=4)
     assert kind_of(tiled) == "glu"
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -135,7 +120,7 @@ def test_glu_forward_cuts_its_own_shards_within_the_budget(monkeypatch):
     tiled, ref = pair(llama_mlp(intermediate=2048))
     tiledmlp.enable_tiling(tiled, tile_tokens=256, scratch_mib=1)  # 1 MiB: 64 tokens of float32 gate and up
     calls.clear()  # enable_tiling's own probe
-    check_against_untiled(tiled, ref, torch.randn(1, 500, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(1, 500, 32))
     assert calls == [64] * 7 + [52]
 
 
@@ -169,7 +154,7 @@ def test_probe_rejects_glu_structure_with_a_different_forward(caplog):
         tiledmlp.enable_tiling(tiled, num_shards=3)
     assert kind_of(tiled) == "generic"
     assert "generic form" in caplog.text
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 class TwoLayerMLP(nn.Module):
@@ -202,7 +187,7 @@ def test_custom_module_via_mlp_types_generic_form():
     tiledmlp.enable_tiling(tiled, num_shards=3, mlp_types=(TwoLayerMLP,))
     assert tiledmlp.tiled_modules(tiled) == {"mlp": "plain"}
     assert kind_of(tiled.mlp) == "generic"
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 def test_generic_form_releases_each_shard_gradient_once_accumulated(monkeypatch):
@@ -220,7 +205,7 @@ def test_generic_form_releases_each_shard_gradient_once_accumulated(monkeypatch)
     torch.manual_seed(0)
     tiled, ref = pair(Block())
     tiledmlp.enable_tiling(tiled, num_shards=3, mlp_types=(TwoLayerMLP,))
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
     assert len(seen) == 3 * len(list(tiled.mlp.parameters()))
 
 
@@ -337,7 +322,7 @@ def test_glu_backward_in_intermediate_blocks(chunks, bias):
     """Blocks of the intermediate dimension (more blocks than columns is fine: fewer are used)."""
     tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
     tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -350,7 +335,7 @@ def test_glu_backward_computes_dh_in_column_blocks(monkeypatch, chunks, bias):
     assert len(sharding.dh_blocks(88 // chunks)) > 1
     tiled, ref = pair(llama_mlp(intermediate=88, bias=bias))
     tiledmlp.enable_tiling(tiled, num_shards=3, inter_chunks=chunks)
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 @pytest.mark.parametrize("shards", [1, 3])
@@ -362,7 +347,7 @@ def test_fused_glu_dh_column_blocks(monkeypatch, shards):
     torch.manual_seed(0)
     tiled, ref = pair(Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=72, hidden_act="silu")))
     tiledmlp.enable_tiling(tiled, num_shards=shards)
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
 
 
 def test_fused_glu_backward_in_intermediate_blocks_with_frozen_parts():
@@ -371,7 +356,7 @@ def test_fused_glu_backward_in_intermediate_blocks_with_frozen_parts():
     for m in (tiled, ref):
         m.down_proj.weight.requires_grad_(False)
     tiledmlp.enable_tiling(tiled, num_shards=4, inter_chunks=3)
-    check_against_untiled(tiled, ref, torch.randn(2, 23, 32))
+    check_against_untiled(tiled, ref, tol=TOL, x=torch.randn(2, 23, 32))
     assert tiled.down_proj.weight.grad is None
 
 

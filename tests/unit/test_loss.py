@@ -265,9 +265,9 @@ def test_bad_input_is_refused_with_the_fix_named():
 
 def test_the_automatic_fallback_to_recompute_is_said(caplog):
     """When the budget is too small for fused shards, the slower mode is logged once, with the fix."""
-    import tiledmlp.loss as loss_module
+    import tiledmlp.logs
 
-    loss_module._REPORTED.clear()
+    tiledmlp.logs._SAID.clear()
     x, w, _, labels = inputs(torch.float32)
     with caplog.at_level("WARNING", logger="tiledmlp"):
         for _ in range(2):

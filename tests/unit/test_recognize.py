@@ -22,23 +22,13 @@ import tiledmlp
 from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.patching import STATE_ATTR
 from mlp_styles import H, I, STYLES, InlineGLU, TwoLayer, biased
-from unit_helpers import assert_bf16_within_untiled, assert_close_rel, assert_grads_match, build, llama_mlp, pair
+from unit_helpers import assert_bf16_within_untiled, build, check_against_untiled, llama_mlp, pair
 
 TOL = 2e-6
 
-def _fwd_bwd(module, x):
-    xx = x.detach().clone().requires_grad_()
-    y = module(xx)
-    y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
-    return y.detach(), xx.grad
-
-
-def check_exact(tiled, ref, x=None):
-    x = torch.randn(2, 23, H) if x is None else x
-    (yt, gt), (yr, gr) = _fwd_bwd(tiled, x), _fwd_bwd(ref, x)
-    assert_close_rel(yt, yr, TOL, "output")
-    assert_close_rel(gt, gr, TOL, "input grad")
-    assert_grads_match(tiled, ref, TOL)
+def check_exact(tiled, ref):
+    check_against_untiled(tiled, ref, torch.randn(2, 23, H), TOL,
+                          grad=lambda y: torch.linspace(-1, 1, y.numel()).view_as(y))
 
 
 def state(module):

@@ -60,6 +60,22 @@ def assert_grads_match(tiled: nn.Module, ref: nn.Module, tol: float = 1e-5) -> N
             assert_close_rel(p.grad, q.grad, tol, name)
 
 
+def check_against_untiled(tiled: nn.Module, ref: nn.Module, x: torch.Tensor, tol: float = 2e-6,
+                          grad=torch.ones_like) -> None:
+    """One forward+backward of each on the same ``x`` and output gradient ``grad(output)``: output,
+    input gradient and every parameter gradient within ``tol`` (float32: tiling only reorders sums)."""
+    results = []
+    for module in (tiled, ref):
+        xx = x.detach().clone().requires_grad_()
+        y = module(xx)
+        y.backward(grad(y))
+        results.append((y.detach(), xx.grad))
+    (yt, gt), (yr, gr) = results
+    assert_close_rel(yt, yr, tol, "output")
+    assert_close_rel(gt, gr, tol, "input grad")
+    assert_grads_match(tiled, ref, tol)
+
+
 def bf16_signal(module: nn.Module, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> dict:
     xx = x.to(dtype).requires_grad_()
     y = module(xx)

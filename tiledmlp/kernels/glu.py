@@ -94,11 +94,7 @@ def glu_forward(
     """
     _check_activation(activation)
     _check_tensors(gate=gate, up=up)
-    if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    else:
-        _check_tensors(gate=gate, out=out)
-        _check_no_row_overlap(out=out)
+    out = _output_like("gate", gate, out)
     if gate.numel() == 0:
         return out
     if resolve_backend(backend, gate) == "triton":
@@ -271,6 +267,16 @@ def _check_tensors(**tensors: Tensor) -> None:
                 f"{name} must have unit column stride (stride(1) == 1), got strides {t.stride()}; "
                 "pass a row-major tensor or a column slice of one (e.g. buf[:, :I]), or call .contiguous()"
             )
+
+
+def _output_like(name: str, like: Tensor, out: Tensor | None) -> Tensor:
+    """``out`` checked against the input ``name`` = ``like`` (shape, dtype, device, writable rows), or a
+    new contiguous tensor like it."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    _check_tensors(**{name: like, "out": out})
+    _check_no_row_overlap(out=out)
+    return out
 
 
 def _check_no_row_overlap(**outputs: Tensor) -> None:

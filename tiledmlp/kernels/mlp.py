@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from tiledmlp.kernels.glu import (_activation_and_grad_torch, _activation_torch, _check_activation, _check_distinct,
-                                  _check_no_row_overlap, _check_tensors, _compute, Backend, resolve_backend)
+                                  _check_no_row_overlap, _check_tensors, _compute, _output_like, Backend,
+                                  resolve_backend)
 
 try:
     import triton
@@ -45,11 +46,7 @@ def mlp_forward(u: Tensor, activation: str, out: Optional[Tensor] = None, *, bac
     """
     _check_activation(activation)
     _check_tensors(u=u)
-    if out is None:
-        out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    else:
-        _check_tensors(u=u, out=out)
-        _check_no_row_overlap(out=out)
+    out = _output_like("u", u, out)
     if u.numel() == 0:
         return out
     if resolve_backend(backend, u) == "triton":
