@@ -1,14 +1,21 @@
-"""Training-step time and peak memory of a Llama-shaped model under DDP or FSDP2, tiled vs untiled.
+"""Training-step time and peak memory of a Llama-shaped model under DDP, FSDP2, tensor parallelism (TP) or
+FSDP2 over TP, tiled vs untiled.
 
 Launch with torchrun, one process per GPU::
 
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap ddp --seq-len 32768
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap tp --seq-len 32768
+    torchrun --nproc-per-node 4 benchmarks/bench_ddp.py --wrap fsdp2_tp --tp 2 --seq-len 32768
 
 Each variant (``untiled``, then ``tiled`` = ``tiledmlp.enable_tiling(model)`` before wrapping) builds the model
-from the same seed and trains on the same per-rank random tokens (AdamW, bf16 parameters). Reported per rank:
-median step time after warm-up, peak memory over the timed steps, and the first step's loss and gradient
-norm (tiled and untiled must agree up to bf16 rounding). Rank 0 appends the rows to
-``benchmarks/results/bench_ddp_<gpu>.csv``. ``--quick`` is a tiny smoke test (gloo on CPU when no GPU).
+from the same seed and trains on the same random tokens per data-parallel rank (every rank of a TP group
+gets the same sequence; AdamW, bf16 parameters). TP is Megatron's plan on every decoder layer
+(``ColwiseParallel`` q/k/v and gate/up, ``RowwiseParallel`` o and down; embeddings, norms and head
+replicated); ``fsdp2_tp`` adds ``fully_shard`` per layer and root over the data-parallel mesh. Reported per
+rank: median step time after warm-up, peak memory over the timed steps, the first step's loss and gradient
+norm (tiled and untiled must agree up to bf16 rounding) and the collectives of one step (counted by
+``CommDebugMode`` in an untimed step). Rank 0 appends the rows to ``benchmarks/results/bench_ddp_<gpu>.csv``.
+``--quick`` is a tiny smoke test (gloo on CPU when no GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import datetime  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -37,24 +45,30 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from bench_mlp import REPO_ROOT, gpu_name, gpu_slug, package_versions, parse_options, release_memory  # noqa: E402
 
 COLUMNS = (
-    "wrap", "variant", "rank", "world_size", "seq_len", "layers", "hidden", "intermediate", "vocab", "grad_ckpt",
+    "wrap", "variant", "rank", "world_size", "tp", "seq_len", "layers", "hidden", "intermediate", "vocab", "grad_ckpt",
     "dtype", "status", "step_ms", "tokens_per_s", "peak_alloc_mib", "peak_reserved_mib", "loss0", "grad_norm0",
-    "tiled_mlps", "gpu_name", "torch", "triton", "transformers", "tiledmlp", "date",
+    "tiled_mlps", "collectives_per_step", "gpu_name", "torch", "triton", "transformers", "tiledmlp", "date",
 )
 VERSION_COLUMNS = ("torch", "triton", "transformers", "tiledmlp")
 
 
 @dataclass(frozen=True)
 class Dist:
-    """This process's place in the job."""
+    """This process's place in the job; ``dp_rank``/``dp_size``: its data-parallel coordinates (the TP
+    ranks of one group share them), ``dp_mesh``/``tp_mesh`` for the TP wrappings."""
 
     rank: int
     world: int
     device: torch.device
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_mesh: Any = None
+    tp_mesh: Any = None
 
 
-def setup_distributed() -> Dist:
-    """Join the torchrun job: NCCL on this rank's GPU, or gloo on the CPU when there is no GPU."""
+def setup_distributed(wrap_kind: str, tp: int) -> Dist:
+    """Join the torchrun job: NCCL on this rank's GPU, or gloo on the CPU when there is no GPU; for the TP
+    wrappings, a ``("dp", "tp")`` mesh with ``tp`` ranks per TP group (all of them for ``tp``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -63,7 +77,16 @@ def setup_distributed() -> Dist:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-    return Dist(dist.get_rank(), dist.get_world_size(), device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if wrap_kind not in ("tp", "fsdp2_tp"):
+        return Dist(rank, world, device, rank, world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = world if wrap_kind == "tp" else tp
+    if world % tp:
+        raise SystemExit(f"--wrap {wrap_kind} with --tp {tp} needs a multiple of {tp} processes, got {world}")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Dist(rank, world, device, mesh["dp"].get_local_rank(), world // tp, mesh["dp"], mesh["tp"])
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -93,7 +116,7 @@ def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, tiled
 
 
 def wrap(model: nn.Module, kind: str, where: Dist) -> nn.Module:
-    """DDP, or FSDP2 with one unit per decoder layer and one for the root."""
+    """DDP; FSDP2 with one unit per decoder layer and one for the root; TP; or FSDP2 over TP."""
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -101,15 +124,33 @@ def wrap(model: nn.Module, kind: str, where: Dist) -> nn.Module:
         return DistributedDataParallel(model, device_ids=device_ids)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    if kind in ("tp", "fsdp2_tp"):
+        apply_tp(model, where.tp_mesh)
+    mesh = {"mesh": where.dp_mesh} if kind == "fsdp2_tp" else {}
+    if kind in ("fsdp2", "fsdp2_tp"):
+        for layer in model.model.layers:
+            fully_shard(layer, **mesh)
+        fully_shard(model, **mesh)
     return model
 
 
+def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    """Megatron's plan on every decoder layer: column-wise q/k/v and gate/up, row-wise o and down (one
+    all-reduce per attention and per MLP in forward). Hugging Face's attention reshapes with ``-1`` heads,
+    so each rank computes its share of the heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {**{f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+
+
 def make_batch(args: argparse.Namespace, where: Dist) -> torch.Tensor:
-    """This rank's random token ids ``[1, seq_len]`` (the same for every variant)."""
-    generator = torch.Generator().manual_seed(args.seed * 1000 + where.rank + 1)
+    """This data-parallel rank's random token ids ``[1, seq_len]`` (the same for every variant and for every
+    rank of a TP group)."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + where.dp_rank + 1)
     return torch.randint(args.vocab, (1, args.seq_len), generator=generator).to(where.device)
 
 
@@ -119,16 +160,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> tuple[float, float]:
-    """One forward/backward/AdamW step; returns the loss and the global gradient norm before the update."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               norm: bool = False) -> tuple[float, float]:
+    """One forward/backward/AdamW step; returns the loss and (``norm``) the global gradient norm before the
+    update, else NaN (timed steps skip it: under TP it costs a collective per DTensor gradient)."""
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = global_grad_norm(model) if norm else math.nan
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item(), grad_norm.item()
+    return loss.item(), grad_norm
+
+
+def global_grad_norm(model: nn.Module) -> float:
+    """The gradient norm over every parameter, DTensor (FSDP2, TP) or not: TP mixes both kinds, which
+    ``clip_grad_norm_``'s foreach path refuses."""
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            square = p.grad.float().square().sum()
+            total += (square.full_tensor() if hasattr(square, "full_tensor") else square).item()
+    return math.sqrt(total)
 
 
 def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, steps: int,
@@ -144,18 +196,32 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torc
     return times
 
 
+def counted_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> str:
+    """One untimed training step's collectives, ``name=count;...``: DTensor's functional collectives (TP)
+    and the process-group calls of DDP/FSDP2 that a dispatch mode sees."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as mode:
+        train_step(model, optimizer, tokens)
+    counts = sorted((str(op).rsplit(".", 1)[-1], n) for op, n in mode.get_comm_counts().items() if n)
+    return ";".join(f"{name}={n}" for name, n in counts) or "none"
+
+
 def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, tiled: bool) -> dict[str, Any]:
     """Build, warm up and time one variant on this rank."""
     model, tiled_count = build_model(args, where, dtype, tiled)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    # TP alone mixes DTensor and plain parameters, which AdamW's foreach path refuses.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=args.wrap != "tp")
     tokens = make_batch(args, where)
-    loss0, grad_norm0 = train_step(model, optimizer, tokens)
+    loss0, grad_norm0 = train_step(model, optimizer, tokens, norm=True)
+    collectives = counted_step(model, optimizer, tokens)
     timed_steps(model, optimizer, tokens, args.warmup - 1, where.device)
     if where.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where.device)
     step_ms = statistics.median(timed_steps(model, optimizer, tokens, args.steps, where.device))
-    result = {"status": "ok", "step_ms": step_ms, "tokens_per_s": where.world * args.seq_len / step_ms * 1e3,
-              "loss0": loss0, "grad_norm0": grad_norm0, "tiled_mlps": tiled_count}
+    result = {"status": "ok", "step_ms": step_ms, "tokens_per_s": where.dp_size * args.seq_len / step_ms * 1e3,
+              "loss0": loss0, "grad_norm0": grad_norm0, "tiled_mlps": tiled_count,
+              "collectives_per_step": collectives}
     if where.device.type == "cuda":
         result["peak_alloc_mib"] = torch.cuda.max_memory_allocated(where.device) / 2**20
         result["peak_reserved_mib"] = torch.cuda.max_memory_reserved(where.device) / 2**20
@@ -198,13 +264,14 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         peak = max(row.get("peak_alloc_mib", float("nan")) for row in ranks)
         print(f"{variant:>8}: step {step:.1f} ms (slowest rank), peak {peak:.0f} MiB (largest rank), "
               f"loss0 {ranks[0]['loss0']:.6f}, grad_norm0 {ranks[0]['grad_norm0']:.6f}, "
-              f"tiled MLPs {ranks[0]['tiled_mlps']}")
+              f"tiled MLPs {ranks[0]['tiled_mlps']}, collectives {ranks[0]['collectives_per_step']}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command line, with full-size or ``--quick`` defaults for every size left unset."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--wrap", choices=("ddp", "fsdp2", "tp", "fsdp2_tp"), default="ddp")
+    parser.add_argument("--tp", type=int, default=2, help="TP degree of --wrap fsdp2_tp (tp: the world size)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per rank (default 32768)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
     parser.add_argument("--hidden", type=int, default=None, help="default 4096")
@@ -238,10 +305,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     """Measure every variant on every rank; rank 0 writes the CSV and prints the summary."""
     args = parse_args(argv)
-    where = setup_distributed()
+    where = setup_distributed(args.wrap, args.tp)
     dtype = torch.bfloat16 if where.device.type == "cuda" else torch.float32
     versions = package_versions()
-    meta = {"wrap": args.wrap, "rank": where.rank, "world_size": where.world, "seq_len": args.seq_len,
+    meta = {"wrap": args.wrap, "rank": where.rank, "world_size": where.world,
+            "tp": where.world // where.dp_size, "seq_len": args.seq_len,
             "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "vocab": args.vocab,
             "grad_ckpt": args.grad_ckpt, "dtype": str(dtype).removeprefix("torch."),
             "gpu_name": gpu_name(where.device), **{key: versions[key] for key in VERSION_COLUMNS},
@@ -255,7 +323,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"bench_ddp_{gpu_slug(where.device)}{'_quick' if args.quick else ''}.csv"
         append_csv(path, rows)
-        print(f"{args.wrap}, {where.world} ranks, {args.seq_len} tokens/rank, {args.layers} layers, "
+        print(f"{args.wrap}, {where.world} ranks (TP {where.world // where.dp_size}), {args.seq_len} tokens per "
+              f"sequence, {args.layers} layers, "
               f"grad_ckpt={args.grad_ckpt}:")
         print_summary(rows)
         print(f"appended to {path}")

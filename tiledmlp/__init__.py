@@ -22,6 +22,7 @@ from torch import nn
 
 from .describe import Description, TileInfo, describe, log_summary
 from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
+from .distributed.tensor_parallel import has_tp_hooks
 from .loss import tiled_linear_cross_entropy
 from .heads import LossOptions
 from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
@@ -223,6 +224,12 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
                 f"compute_params has tensors of shapes {foreign} that are not parameters of mlp_module; "
                 "pass the module whose parameters fn uses."
             )
+    if any(has_tp_hooks(m) for m in mlp_module.modules()):
+        # fn computes through the sharded projections: their collectives would run once per shard.
+        raise ValueError(
+            f"{type(mlp_module).__name__} is tensor parallel (parallelize_module); apply_tiled_mlp would run "
+            "its collectives once per shard. Use tiledmlp.enable_tiling(model), whose 'tp' strategy tiles "
+            "the local shards between the untiled module's collectives.")
     if x.numel() == 0:
         return fn(mlp_module, x)
     spec = TiledCallSpec(name=type(mlp_module).__name__, slots=tuple(slots), policy=policy)

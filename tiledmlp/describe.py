@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .patching import TilingState, tiled_states
 from .sharding import ShardPolicy, loss_budget_bytes, loss_tile, mlp_scratch_per_token
@@ -136,6 +137,9 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     inter = getattr(down, "in_features", None) or getattr(down, "nx", None)
     if inter is None:
         return TileInfo(**base)
+    style = read_style(down)
+    if style is not None:  # tensor parallel: each rank tiles its slice of the intermediate dimension
+        inter //= style.mesh.size()
     itemsize = params[layout.down.weight].element_size()
     rows, chunks = policy.mlp_tile(tokens, inter, itemsize, layout.gated)
     forward_rows = policy.mlp_forward_rows(inter, itemsize, rows, layout.gated)

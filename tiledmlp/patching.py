@@ -27,9 +27,10 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_fsdp1_wrapper,
+from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
                                   module_path)
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
+from .distributed.tensor_parallel import TPPlan, has_tp_hooks, tp_plan
 from .forms import Slot
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
@@ -136,7 +137,7 @@ class TilingState:
     reason: str = ""  # why a module that looks like an MLP got the generic form
     warn: bool = False  # whether that reason is worth a warning (not for a form the user asked for)
     computes: str = ""  # what a fast form computes, in the module's own names
-    _auto: dict = field(default_factory=dict)  # Wrapping → Strategy, for strategy="auto"
+    _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:
         if self.forced is not None:
@@ -144,18 +145,24 @@ class TilingState:
         path = [m for m in (ref() for ref in self.path) if m is not None]
         if not path or path[-1] is not module:
             path = [module]
-        wrapping = _wrapping_of(path, self.spec.slots)
-        if wrapping not in self._auto:
-            self._auto[wrapping] = strategy_for(wrapping, owning_units(path, wrapping))
-        return self._auto[wrapping]
+        key = _parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason)
+        if key not in self._auto:
+            self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
+        return self._auto[key]
 
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
         return {**self.__dict__, "path": [], "_auto": {}}
 
 
-def _wrapping_of(path: list[nn.Module], slots: Iterable[Slot]) -> Wrapping:
+def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
+                    reason: str = "") -> tuple[Wrapping, Optional[TPPlan]]:
+    """The data-parallel wrapping of ``path[-1]`` and its tensor-parallel plan (None: not TP); raises
+    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``)."""
+    slots = list(slots)
     params = [s.get() for s in slots]
-    return detect_wrapping(path, params, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params))
+    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params))
+    return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
+                             reason=reason)
 
 
 def _original_forward(module: nn.Module):
@@ -237,15 +244,17 @@ def _input_name(forward) -> str:
 
 
 def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
-                 label: str) -> tuple[Optional[Strategy], list]:
-    """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module."""
+                 label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list]:
+    """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module
+    (``rec``: how it was recognized, for its tensor-parallel plan)."""
     path = module_path(model, module)
-    wrapping = _wrapping_of(path, slots)
+    wrapping, tp = _parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "")
     units = owning_units(path, wrapping)
     if strategy == "auto":
-        forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units)
+        # Unwrapped (TP or not): detected again at each call, so wrapping the model later still counts.
+        forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units, tp)
     else:
-        forced = validate_forced(strategy, wrapping, label, units)
+        forced = validate_forced(strategy, wrapping, label, units, tp)
     return forced, [weakref.ref(m) for m in path]
 
 
@@ -273,7 +282,7 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
                 "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
                 "above it (e.g. the decoder layer) instead."
             )
-        forced, path = _strategy_of(model, module, rec.slots, strategy, label)
+        forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
                              is_moe=rec.kind == "moe", grad_accum_dtype=grad_accum_dtype)
         states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), _saved_forward(module),
@@ -281,6 +290,10 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
     if loss is not None:
         states.update(_plan_heads(model, strategy, loss))
     return states
+
+
+def _fsdp2_owned(model: nn.Module, module: nn.Module) -> bool:
+    return detect_wrapping(module_path(model, module)) is Wrapping.FSDP2
 
 
 def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[str, TilingState]:
@@ -297,6 +310,11 @@ def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[s
         head = check_causal_lm(lm_name, lm)
         name = names[id(head)]
         label = name or type(head).__name__
+        if has_tp_hooks(head) or (any(is_dtensor(p) for p in head.parameters()) and not _fsdp2_owned(model, head)):
+            raise ValueError(
+                f"loss=True: {label} is tensor parallel (a vocab-sharded head, loss_parallel style); the tiled "
+                "loss does not shard the vocabulary yet. Enable tiling with loss=False (the MLPs are still "
+                "tiled) and compute the loss under torch.distributed.tensor.parallel.loss_parallel().")
         slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
         forced, path = _strategy_of(model, head, slots, strategy, label)
         owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
@@ -353,7 +371,10 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
         if state.forced is not None:
             yield name, module, state, state.forced.name
         else:
-            yield name, module, state, strategy_for(_wrapping_of(module_path(model, module), state.spec.slots)).name
+            path = module_path(model, module)
+            wrapping, tp = _parallelism_of(path, state.spec.slots, getattr(state.spec, "layout", None), name,
+                                           state.reason)
+            yield name, module, state, strategy_for(wrapping, owning_units(path, wrapping), tp).name
 
 
 def tiled_names(model: nn.Module) -> dict[str, str]:

@@ -22,11 +22,16 @@ tiling relies on; attention fails it) and that training mode computes the same t
 dropout): a module that mixes tokens is never tiled, one that differs in training mode gets the
 generic form, which replays it exactly.
 
+Sharded parameters — FSDP2's or a tensor-parallel plan's DTensors — are gathered for the probe
+(``full_tensor()``: one all-gather per parameter, at enable time, in the same order on every rank,
+as ``enable_tiling`` runs on all of them), and the children's ``parallelize_module`` hooks are
+suspended while it runs, so it sees what the module computes on one device.
+
 What the fast forms do not compute makes a candidate generic, with the reason in
 ``Recognized.reason``: parameters or buffers outside the projections (LoRA adapters, a learned
 scale), dropout, a forward that matches no candidate (a residual inside, a squared output, a
-third gating input). The probe cannot run on meta tensors, FSDP2's sharded DTensors or FSDP1's
-flat-parameter views; there a module named like a Hugging Face GLU (``gate_proj``/``up_proj``/
+third gating input). The probe cannot run on meta tensors, FSDP1's flat-parameter views or
+shards, or FSDP2 units inside the module; there a module named like a Hugging Face GLU (``gate_proj``/``up_proj``/
 ``down_proj`` or ``gate_up_proj``/``down_proj``, activation in ``act_fn``/``activation_fn``)
 gets the GLU form on its structure alone, as before the probe existed, and other MLP-named
 modules the generic form.
@@ -43,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .distributed.detect import is_dtensor
+from .distributed.detect import fsdp2_units_below, is_dtensor
+from .distributed.tensor_parallel import without_tp_hooks
 from .forms import Slot, is_plain_linear, swapped
 from .mlp_form import MLPForm, MLPLayout, Proj
 from .runtime import dedupe
@@ -224,8 +230,8 @@ class _Probe:
 
     def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot]) -> None:
         self.forward, self.module, self.slots = forward, module, slots
-        self.proxies = [p.detach().float() if p.dtype in (torch.bfloat16, torch.float16) else p.detach()
-                        for p in (s.get() for s in slots)]
+        full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
+        self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
         self._unique, self._index = dedupe(self.proxies)
         self.x = torch.empty(0)
         self.hidden = 0
@@ -254,7 +260,8 @@ class _Probe:
         return None
 
     def run(self, x: torch.Tensor, training: bool) -> Any:
-        with torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies):
+        with (torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),
+              without_tp_hooks(self.module)):
             return self.forward(x)
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
@@ -262,12 +269,12 @@ class _Probe:
             return MLPForm(layout.remap(self._index)).forward_shard(self.x[0], self._unique)[0]
 
 
-def _probe_unavailable(params: Sequence[torch.Tensor], linears: Sequence[LinearLike]) -> str:
+def _probe_unavailable(module: nn.Module, params: Sequence[torch.Tensor], linears: Sequence[LinearLike]) -> str:
     """Why the probe cannot compute with these parameters outside the wrapper's forward ("" if it can)."""
     if any(p.device.type == "meta" for p in params):
         return "its parameters are on the meta device"
-    if any(is_dtensor(p) for p in params):
-        return "its parameters are sharded DTensors (FSDP2/TP)"
+    if any(is_dtensor(p) for p in params) and fsdp2_units_below(module):
+        return "FSDP2 units inside it own its parameters"
     if any(not isinstance(p, nn.Parameter) for p in params):
         return "its parameters are views of an FSDP1 flat parameter"
     for lin in linears:
@@ -335,7 +342,7 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
     if named and not fast:  # the generic form asked for: the names suffice, no need to run the forward
         return Recognized("generic", tuple(slots), reason="form='generic' was asked for")
     params = [s.get() for s in slots]
-    unavailable = _probe_unavailable(params, linears) if params else "it has no parameters"
+    unavailable = _probe_unavailable(module, params, linears) if params else "it has no parameters"
     if unavailable:
         if not named:
             return None  # not provably an MLP (nor per-token) without the probe

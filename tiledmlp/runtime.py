@@ -2,8 +2,9 @@
 
 Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call:
 strategy forward context (may unshard) → read parameter tensors through the slots (so wrappers'
-current tensors are used) → strategy check → form and shard size → tiled function, whose outputs
-already have the input's leading dims.
+current tensors are used) → strategy check → the strategy's local tensors (tensor parallel: local
+shards, replicated input) → form and shard size → tiled function, whose outputs already have the
+input's leading dims → the strategy's finish (tensor parallel: the one reduction of the call).
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ class TiledCallSpec:
             strategy.check_params(self.name, tensors)
             if self.is_moe:
                 _check_router_logits_not_recorded(self.name)
+            fast = self.layout is not None and fast_allowed
+            local = strategy.localize(self.name, x, tensors, self.layout.remap(index) if fast else None)
+            x, tensors, lay = local.x, local.params, local.layout
             tokens = x.numel() // hidden
             accum = self.grad_accum_dtype
-            if self.layout is not None and fast_allowed:
-                lay = self.layout.remap(index)
+            if lay is not None:
                 inter = lay.inter(tensors)
                 itemsize = _compute_itemsize(x, tensors[lay.down.weight])
                 shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
@@ -101,7 +104,7 @@ class TiledCallSpec:
                 grad_accum_dtype=accum,
             )
             outs = run_tiled(call, x.reshape(-1, hidden), tensors)
-        return outs if form.returned_tuple else outs[0]
+            return outs if form.returned_tuple else local.finish(outs[0])
 
 
 def _compute_itemsize(x: torch.Tensor, w: torch.Tensor) -> int:

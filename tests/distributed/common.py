@@ -306,6 +306,21 @@ class CollectiveCounter:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
 
+    @contextlib.contextmanager
+    def count_dtensor(self, enabled: bool) -> Iterator[None]:
+        """Count DTensor's functional collectives (tensor parallelism), which bypass ``torch.distributed``'s
+        Python functions, with ``CommDebugMode`` (a dispatch mode, so backward's are counted too)."""
+        if not enabled:
+            yield
+            return
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        with CommDebugMode() as mode:
+            yield
+        for op, n in mode.get_comm_counts().items():
+            if "c10d_functional" in str(op):
+                self._counts["dtensor_" + str(op).rsplit(".", 1)[-1]] = n
+
     def _counting(self, kind: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -415,6 +430,8 @@ class Recipe:
     optimizer: str = "sgd"
     #: ``sync(model, is_last_micro_batch)`` context for gradient accumulation; None: one micro-batch
     sync: Optional[Callable[[nn.Module, bool], ContextManager]] = None
+    #: also count DTensor's functional collectives (tensor parallelism); off elsewhere (a dispatch mode)
+    count_dtensor: bool = False
 
 
 @dataclass
@@ -464,7 +481,7 @@ def train(recipe: Recipe, env: Env, tiled: bool) -> Run:
                 for i, batch in enumerate(micro_batches):
                     last = i == len(micro_batches) - 1
                     scope = recipe.sync(wrapped, last) if recipe.sync is not None else contextlib.nullcontext()
-                    with scope:
+                    with scope, counter.count_dtensor(recipe.count_dtensor):
                         loss = recipe.loss_of(wrapped, batch) / len(micro_batches)
                         loss.backward()
                     counter.mark()

@@ -31,7 +31,6 @@ class Wrapping(str, enum.Enum):
     DDP = "ddp"
     FSDP1 = "fsdp1"
     FSDP2 = "fsdp2"
-    DTENSOR = "dtensor"  # DTensor parameters without FSDP2 (tensor parallel): not supported
 
 
 @functools.cache
@@ -95,13 +94,13 @@ def fsdp2_units_below(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if name and isinstance(m, fsdp2)]
 
 
-def detect_wrapping(path: Sequence[nn.Module], params: Sequence[torch.Tensor] = (),
-                    flat_param_views: bool = False) -> Wrapping:
+def detect_wrapping(path: Sequence[nn.Module], flat_param_views: bool = False) -> Wrapping:
     """Classify the wrapper of the last module of ``path`` (root first).
 
-    ``params`` are the MLP's parameter tensors as currently registered; ``flat_param_views`` says the
-    parameter slots no longer hold ``nn.Parameter`` objects (FSDP1 with ``use_orig_params=False``).
-    The innermost sharding wrapper wins; DDP only counts when nothing shards the parameters.
+    ``flat_param_views`` says the parameter slots no longer hold ``nn.Parameter`` objects (FSDP1 with
+    ``use_orig_params=False``). The innermost sharding wrapper wins; DDP only counts when nothing
+    shards the parameters. Tensor parallelism is not a wrapping: ``tensor_parallel.tp_plan`` reads it
+    off the MLP's projections, and its strategy composes with the wrapping's.
     """
     fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_type()
     for mod in reversed(path):
@@ -111,8 +110,6 @@ def detect_wrapping(path: Sequence[nn.Module], params: Sequence[torch.Tensor] = 
             return Wrapping.FSDP1
     if flat_param_views:
         return Wrapping.FSDP1
-    if any(is_dtensor(p) for p in params):
-        return Wrapping.DTENSOR
     if any(isinstance(mod, nn.parallel.DistributedDataParallel) for mod in path):
         return Wrapping.DDP
     if nn.parallel.DistributedDataParallel._active_ddp_module is not None:

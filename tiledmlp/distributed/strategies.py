@@ -24,6 +24,10 @@ fsdp2      explicit unshard/reshard. Inside an FSDP2 unit's ``__call__`` the par
 fsdp1      flat-parameter views (``use_orig_params=False``) or original parameters are read through
            the parameter slots at call time, inside FSDP1's forward; gradients flow into the flat
            parameter once. Nothing else to do.
+tp         tensor parallel (``parallelize_module``: ColwiseParallel gate/up, RowwiseParallel down),
+           composed with the data-parallel strategy of whatever wraps it (``fsdp2+tp`` for FSDP2 over
+           TP): the tiles run on the local weight shards, and the call issues the untiled module's
+           collectives at its two boundaries, never one per shard (``tensor_parallel.py``).
 =========  ==========================================================================================
 
 No strategy needs the ranks to agree on the shard count: the shard count changes only local compute,
@@ -38,9 +42,12 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 import torch
 from torch import nn
 
+from ..mlp_form import MLPLayout
 from .detect import Wrapping, is_dtensor, storage_freed
+from .tensor_parallel import Localized, TPPlan, localize
 
-__all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units"]
+__all__ = ["Strategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced",
+           "owning_units"]
 
 
 class Strategy:
@@ -49,9 +56,16 @@ class Strategy:
     name: ClassVar[str] = "plain"
     wrapping: ClassVar[Wrapping] = Wrapping.NONE
 
-    def __init__(self, units: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, units: Sequence[nn.Module] = (), tp_mesh: Any = None) -> None:
         # FSDP units owning the MLP's parameters (the MLP itself or its nearest FSDP ancestor).
         self.units = tuple(units)
+        # The tensor-parallel mesh under this data-parallel strategy (None: no TP): DTensors on it are
+        # unsharded as far as data parallelism is concerned.
+        self.tp_mesh = tp_mesh
+
+    def dp_sharded(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is sharded by the data-parallel wrapper (a DTensor not on the TP mesh)."""
+        return is_dtensor(p) and (self.tp_mesh is None or p.device_mesh != self.tp_mesh)
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
@@ -59,12 +73,17 @@ class Strategy:
         yield
 
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
-        if any(is_dtensor(p) for p in params):
+        if any(self.dp_sharded(p) for p in params):
             raise ValueError(
                 f"{module_name}: its parameters are DTensors (sharded by fully_shard or tensor "
-                f"parallel) but its strategy is '{self.name}'. Use strategy='fsdp2' (or 'auto') for "
-                "FSDP2; tensor-parallel MLPs are not supported yet."
+                f"parallel) but its strategy is '{self.name}'. Use strategy='auto', or 'fsdp2' for "
+                "FSDP2 and 'tp' for a parallelize_module plan."
             )
+
+    def localize(self, module_name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
+                 layout: Optional[MLPLayout]) -> Localized:
+        """The tensors the tiled function computes with on this rank (those given, but under TP)."""
+        return Localized(x, list(params), layout)
 
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
         """Context factory for the recompute in backward (see ``TileCall.around_backward``)."""
@@ -146,16 +165,16 @@ class FSDP2Strategy(Strategy):
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
-        sharded = any(is_dtensor(p) for p in module.parameters())
+        sharded = any(self.dp_sharded(p) for p in module.parameters())
         with _gathered(self.units, sharded), _refuse_unit_calls(self.units, type(module).__name__):
             yield
 
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
-        if any(is_dtensor(p) for p in params):
+        if any(self.dp_sharded(p) for p in params):
             raise ValueError(
                 f"{module_name}: parameters are still sharded DTensors after unsharding the FSDP2 "
                 "units that own it. Apply fully_shard to this MLP or a module above it, not to a "
-                "module inside it, and do not combine it with tensor parallelism."
+                "module inside it."
             )
 
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
@@ -212,7 +231,7 @@ class NoSyncStrategy(Strategy):
     name = "no_sync"
 
     def __init__(self, inner: Strategy) -> None:
-        super().__init__(inner.units)
+        super().__init__(inner.units, inner.tp_mesh)
         self.inner = inner
 
     def forward_context(self, module: nn.Module):
@@ -228,37 +247,81 @@ class NoSyncStrategy(Strategy):
         return self.inner.hold_gathered(module)
 
 
+class TPStrategy(Strategy):
+    """Tensor parallel over the data-parallel strategy ``inner`` (``plain`` when TP stands alone).
+
+    The data-parallel part (FSDP2's unshard/reshard, DDP's once-per-backward gradients) is ``inner``'s;
+    this class adds the TP boundaries of one call (``tensor_parallel.localize``): the input made
+    replicated and local, the parameters' local shards, and the partial output reduced to the plan's
+    layout. Communication per call: the untiled TP MLP's, in forward; as many or fewer in backward.
+    """
+
+    name = "tp"
+
+    def __init__(self, inner: Strategy, plan: TPPlan) -> None:
+        super().__init__(inner.units, plan.mesh)
+        self.inner, self.plan = inner, plan
+        self.name = "tp" if isinstance(inner, PlainStrategy) else f"{inner.name}+tp"
+        self.wrapping = inner.wrapping
+
+    def forward_context(self, module: nn.Module):
+        return self.inner.forward_context(module)
+
+    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
+        self.inner.check_params(module_name, params)
+
+    def localize(self, module_name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
+                 layout: Optional[MLPLayout]) -> Localized:
+        if layout is None:
+            raise ValueError(
+                f"{module_name}: a tensor-parallel MLP is tiled with its fast form only, but this call needs "
+                "the generic form (it got extra arguments); the generic form would run the sharded "
+                "projections, and their collectives, once per shard. Call it with the hidden states only.")
+        return localize(self.plan, module_name, x, params, layout)
+
+    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+        return self.inner.backward_context(params)
+
+    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        return self.inner.hold_gathered(module)
+
+
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy)
+    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy, TPStrategy)
 }
 STRATEGY_NAMES = ("auto", *STRATEGIES)
 _BY_WRAPPING = {cls.wrapping: cls for cls in (PlainStrategy, DDPStrategy, FSDP2Strategy, FSDP1Strategy)}
 
 
-def strategy_for(wrapping: Wrapping, units: Sequence[nn.Module] = ()) -> Strategy:
-    """The strategy ``auto`` picks for a wrapping."""
-    if wrapping is Wrapping.DTENSOR:
-        raise ValueError(
-            "the MLP's parameters are DTensors but no FSDP2 unit (fully_shard) owns them: tensor "
-            "parallel MLPs are not supported yet. Tile a data-parallel model instead."
-        )
-    return _BY_WRAPPING[wrapping](units)
+def _with_tp(data: Strategy, tp: Optional[TPPlan]) -> Strategy:
+    return data if tp is None else TPStrategy(data, tp)
 
 
-def validate_forced(name: str, wrapping: Wrapping, module_name: str, units: Sequence[nn.Module] = ()) -> Strategy:
-    """The strategy for a forced ``name``; ValueError naming the fitting one when it does not match."""
-    fits = strategy_for(wrapping, units)
+def strategy_for(wrapping: Wrapping, units: Sequence[nn.Module] = (), tp: Optional[TPPlan] = None) -> Strategy:
+    """The strategy ``auto`` picks for a wrapping (and a tensor-parallel plan, if the MLP has one)."""
+    return _with_tp(_BY_WRAPPING[wrapping](units, None if tp is None else tp.mesh), tp)
+
+
+def validate_forced(name: str, wrapping: Wrapping, module_name: str, units: Sequence[nn.Module] = (),
+                    tp: Optional[TPPlan] = None) -> Strategy:
+    """The strategy for a forced ``name``; ValueError naming the fitting one when it does not match.
+
+    With a tensor-parallel plan, ``"tp"`` and the data-parallel wrapper's own name (``"fsdp2"`` for
+    FSDP2 over TP, ``"no_sync"``) are accepted and give the composed strategy."""
+    fits = strategy_for(wrapping, units, tp)
+    data = fits.inner if isinstance(fits, TPStrategy) else fits
     if name == "no_sync":
         if wrapping is Wrapping.NONE:
             raise ValueError(
                 f"strategy='no_sync' needs a wrapper that synchronizes gradients (DDP, FSDP1, FSDP2), "
-                f"but {module_name} is not wrapped. Use strategy='plain' or 'auto', or wrap the model "
+                f"but {module_name} is not wrapped. Use strategy='{fits.name}' or 'auto', or wrap the model "
                 "first (or enable tiling with strategy='auto' before wrapping)."
             )
-        return NoSyncStrategy(fits)
-    if name != fits.name:
+        return _with_tp(NoSyncStrategy(data), tp)
+    accepted = {fits.name} | ({"tp"} | ({data.name} - {"plain"}) if tp is not None else set())
+    if name not in accepted:
         raise ValueError(
-            f"strategy='{name}' does not match how {module_name} is wrapped ({wrapping.value}): "
+            f"strategy='{name}' does not match how {module_name} is wrapped ({fits.name}): "
             f"use strategy='{fits.name}' or strategy='auto'."
         )
     return fits

@@ -1,0 +1,44 @@
+"""``benchmarks/bench_ddp.py --quick`` under torchrun for every wrapping (gloo on CPU here; the GPU rows come
+from ``launch/gpu_x2_session.sh``): the script runs end to end, writes its CSV, and the tiled row agrees with
+the untiled one — same first loss and gradient norm, no more collectives per step."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .harness import LAUNCH_TIMEOUT_S
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _counts(text: str) -> dict[str, int]:
+    return {} if text == "none" else {k: int(v) for k, v in (item.split("=") for item in text.split(";"))}
+
+
+@pytest.mark.parametrize("wrap, nproc", [("ddp", 2), ("fsdp2", 2), ("tp", 2), ("fsdp2_tp", 4)])
+def test_bench_ddp_quick(tmp_path, wrap, nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "benchmarks/bench_ddp.py", "--quick", "--wrap", wrap, "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("bench_ddp_*_quick.csv")
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2 * nproc and {r["status"] for r in rows} == {"ok"}, rows
+    assert {r["tp"] for r in rows} == {"1" if wrap in ("ddp", "fsdp2") else "2"}
+    for rank in range(nproc):
+        untiled, tiled = (next(r for r in rows if r["rank"] == str(rank) and r["variant"] == v)
+                          for v in ("untiled", "tiled"))
+        assert int(tiled["tiled_mlps"]) == 2 and int(untiled["tiled_mlps"]) == 0
+        for key in ("loss0", "grad_norm0"):
+            assert abs(float(tiled[key]) - float(untiled[key])) <= 1e-4 * abs(float(untiled[key])), (key, tiled, untiled)
+        got, ref = _counts(tiled["collectives_per_step"]), _counts(untiled["collectives_per_step"])
+        assert ref and set(got) == set(ref) and all(got[k] <= ref[k] for k in ref), (got, ref)
