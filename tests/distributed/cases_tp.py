@@ -48,7 +48,7 @@ def titan(env: Env, tp: int, sequence_parallel: bool = True, mlp: Callable[[], n
 
     dp_rank = 0 if dp_mesh is None else dp_mesh.get_local_rank()
     return Recipe(build=lambda: Transformer(mlp).to(dtype), batches=tp_batches(env, dp_rank), wrap=wrap,
-                  count_dtensor=True)
+                  count_dtensor=True, foreach=False)
 
 
 @case

@@ -432,6 +432,9 @@ class Recipe:
     sync: Optional[Callable[[nn.Module, bool], ContextManager]] = None
     #: also count DTensor's functional collectives (tensor parallelism); off elsewhere (a dispatch mode)
     count_dtensor: bool = False
+    #: the optimizer's ``foreach`` (None: torch's default, True on GPUs); False where DTensor and plain
+    #: parameters mix (TP without sequence parallelism), which the foreach kernels refuse
+    foreach: Optional[bool] = None
 
 
 @dataclass
@@ -447,11 +450,11 @@ class Run:
     calls_in_backward: int
 
 
-def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+def _optimizer(name: str, params: Any, foreach: Optional[bool] = None) -> torch.optim.Optimizer:
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=foreach)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -471,7 +474,7 @@ def train(recipe: Recipe, env: Env, tiled: bool) -> Run:
     modules = dict(wrapped.named_modules())
     tiled_modules = [modules[name] for name in tiledmlp.tiled_modules(wrapped)]
     reentry = BackwardReentryCounter(tiled_modules + fsdp_units(wrapped))
-    opt = _optimizer(recipe.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
+    opt = _optimizer(recipe.optimizer, [p for p in wrapped.parameters() if p.requires_grad], recipe.foreach)
     before = snapshot(wrapped)
     accumulated = None
     shards, calls = [], []
