@@ -10,6 +10,8 @@ Variants (the same model object, re-configured between them):
 * ``untiled``     the model as is.
 * ``mlp``         ``tiledmlp.enable_tiling(model)``: tiled MLPs, untiled loss.
 * ``loss``        ``tiledmlp.enable_tiling(model, loss=True)``: tiled MLPs and tiled LM head + loss.
+* ``loss+offload`` ``tiledmlp.enable_tiling(model, loss=True, offload="cpu")``: also the checkpointed layer
+                  inputs in pinned host memory between forward and recompute (``tiledmlp.offload``).
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -21,6 +23,7 @@ one step, timed (a 512K-token step takes minutes).
 
     python3 benchmarks/bench_longctx.py                                   # 16K..128K, every variant
     python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432  # does 768K fit?
+    python3 benchmarks/bench_longctx.py --variants loss,loss+offload --seq-lens 1048576 --layers 4
     python3 benchmarks/bench_longctx.py --smoke                           # tiny model on a CPU
 """
 
@@ -48,7 +51,7 @@ import tiledmlp  # noqa: E402
 from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
-VARIANTS = ("untiled", "mlp", "loss", "liger", "mlp+liger")
+VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
            "transformers", "liger", "tiledmlp", "date")
@@ -77,6 +80,8 @@ def configure(model: nn.Module, variant: str) -> None:
         tiledmlp.enable_tiling(model)
     elif variant == "loss":
         tiledmlp.enable_tiling(model, loss=True)
+    elif variant == "loss+offload":
+        tiledmlp.enable_tiling(model, loss=True, offload="cpu")
 
 
 def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:
@@ -132,12 +137,16 @@ def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
     return {**row, "steps": 0} if isinstance(row["step_s"], str) else row
 
 
-def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+def write_plot(path: Path, rows: list[dict[str, Any]], title: str, capacity_gib: Optional[float] = None) -> None:
+    """Peak memory and tokens/s against T per variant; ``capacity_gib``: the card's memory, drawn as a line."""
     fig, axes = subplots(1, 2, (12, 4.5))
     for axis, metric, label in ((axes[0][0], "peak_gib", "peak memory (GiB)"),
                                 (axes[0][1], "tokens_per_s", "tokens/s")):
         plot_lines(axis, rows, metric, "variant")
         format_tokens_axis(axis, sorted({r["T"] for r in rows}), "tokens per sequence T", label, log_y=False)
+    if capacity_gib:
+        axes[0][0].axhline(capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
+        axes[0][0].legend(fontsize=8)
     save_figure(fig, path, title)
 
 
@@ -149,6 +158,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--multi-step-max", type=int, default=131072)
     parser.add_argument("--tag", default="", help="suffix of the output files (e.g. a single large-T run)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 16)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
     args = parser.parse_args(argv)
     if args.seq_lens is None:
@@ -169,14 +179,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if device.type != "cuda":
         print("note: skipping the Liger variants on a CPU (its kernels are Triton)")
         variants = [v for v in variants if v not in LIGER]
-    model = build_model(SMOKE if args.smoke else FULL, max(args.seq_lens), device, dtype)
-    print(f"{gpu_name(device)}: Llama-3.2-1B-shaped model, {dtype}, variants {variants}", flush=True)
+    size = dict(SMOKE if args.smoke else FULL)
+    if args.layers:
+        size["layers"] = args.layers
+    model = build_model(size, max(args.seq_lens), device, dtype)
+    print(f"{gpu_name(device)}: Llama-3.2-1B-shaped model, {size['layers']} layers, {dtype}, variants {variants}",
+          flush=True)
     rows = []
     for tokens in args.seq_lens:
         for variant in variants:
             row = {"variant": variant, "T": tokens, **run_or_record(model, variant, tokens, args, device)}
             rows.append(row)
-            print(f"  T={tokens:>7} {variant:<10} peak_gib={fmt(row['peak_gib'])} step_s={fmt(row['step_s'])} "
+            print(f"  T={tokens:>7} {variant:<12} peak_gib={fmt(row['peak_gib'])} step_s={fmt(row['step_s'])} "
                   f"tokens_per_s={fmt(row['tokens_per_s'])} loss={fmt(row['loss'])}", flush=True)
     meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
             **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
@@ -185,8 +199,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_longctx_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
-    write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - Llama-3.2-1B-shaped training step, bf16, "
-                                                f"checkpointed layers")
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - Llama-3.2-1B-shaped training step "
+                                                f"({size['layers']} layers), bf16, checkpointed layers", capacity)
     print_rows(rows, ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows

@@ -9,6 +9,8 @@ Public API:
 * :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
 * :func:`tiled_linear_cross_entropy` — the tiled LM head + cross-entropy, for custom training loops
   (``enable_tiling(model, loss=True)`` tiles Hugging Face causal LMs' loss).
+* :func:`checkpoint` — non-reentrant activation checkpointing whose layer inputs wait in host memory
+  (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
 * :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
 """
@@ -24,6 +26,7 @@ from .describe import Description, TileInfo, describe, log_summary
 from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
 from .distributed.tensor_parallel import has_tp_hooks
 from .loss import tiled_linear_cross_entropy
+from .offload import checkpoint, checkpointed_layers, install_offload, offloaded_layers, uninstall_offload
 from .heads import LossOptions
 from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
 from .runtime import TiledCallSpec
@@ -38,6 +41,8 @@ __all__ = [
     "TileInfo",
     "apply_tiled_mlp",
     "tiled_linear_cross_entropy",
+    "checkpoint",
+    "offloaded_layers",
     "register_mlp",
     "ShardPolicy",
     "auto_num_shards",
@@ -47,7 +52,7 @@ __version__ = "0.1.0"
 
 _FORMS = ("auto", "generic")
 _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
-            "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype")
+            "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload")
 
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: bool = False,
@@ -88,6 +93,11 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         loss_grad_accum_dtype: how the head gradient's shard partials are summed: ``torch.float32``
             (default, exact) or ``None`` (block-scaled float16 in 2 bytes per element; less exact with
             many shards). See ``tiledmlp.loss``.
+        offload: ``"cpu"``: keep the inputs of the model's checkpointed layers in pinned host memory from
+            their forward to their recompute, copied on a side stream and prefetched one layer ahead
+            (``tiledmlp.offload``; bit-identical results). Needs Hugging Face non-reentrant checkpointing
+            (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
+            before this call); custom models call :func:`checkpoint` instead. Default None.
 
     Logs one INFO line (what was tiled, strategies, scratch at 128K tokens) and a WARNING for every
     module that looks like an MLP but takes the generic form, with the reason; :func:`describe`
@@ -125,6 +135,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be True or False, got {loss!r}")
     loss_options = _loss_options(options) if loss else None
+    offload_layers = checkpointed_layers(model, options.get("offload"))
 
     states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
                   loss_options)
@@ -139,6 +150,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             "tiledmlp.apply_tiled_mlp(fn, module, x)."
         )
     install(model, states)
+    install_offload(model, offload_layers)
     log_summary(model)
     return model
 
@@ -160,6 +172,7 @@ def disable_tiling(model: nn.Module) -> nn.Module:
     """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
     tiled causal LMs); returns ``model``."""
     uninstall(model)
+    uninstall_offload(model)
     return model
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
+from .offload import offloaded_layers
 from .patching import TilingState, tiled_states
 from .sharding import ShardPolicy, loss_budget_bytes, loss_tile, mlp_scratch_per_token
 
@@ -57,9 +58,10 @@ class Description(dict):
     """``{qualified name: TileInfo}``, printable as a table (``str()``/``repr()``) and as one line
     (:meth:`summary`)."""
 
-    def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int]) -> None:
+    def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = ()) -> None:
         super().__init__(infos)
         self.tokens = tokens
+        self.offloaded = list(offloaded)  # modules whose checkpointed inputs wait in host memory
 
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
@@ -77,6 +79,8 @@ class Description(dict):
         if sized and self.tokens:
             # Modules run one after another: the peak is the largest, not the sum.
             parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
+        if self.offloaded:
+            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -175,7 +179,7 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
     return Description({name: _info(name, state, strategy, seq_len)
-                        for name, _, state, strategy in tiled_states(model)}, seq_len)
+                        for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model))
 
 
 def log_summary(model: nn.Module) -> None:

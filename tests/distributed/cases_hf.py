@@ -1,6 +1,7 @@
 """Hugging Face cases, run by ``worker.py``: a Llama (GLU fast form), a Mixtral (MoE block with fused
 3-D expert weights, generic form) and a PEFT-LoRA Llama (LoRA projections, generic form), each built
-from a tiny config in code with random weights, under DDP, FSDP2 and FSDP1.
+from a tiny config in code with random weights, under DDP, FSDP2 and FSDP1; and a checkpointed Llama
+with its layer inputs offloaded to host memory (``offload="cpu"``) under DDP and FSDP2.
 """
 
 from __future__ import annotations
@@ -70,6 +71,35 @@ def hf_mixtral_ddp(env: Env) -> dict[str, Any]:
 @case
 def hf_mixtral_fsdp2(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, mixtral, fsdp2(env, MixtralDecoderLayer)), env)
+
+
+def checkpointed_llama() -> nn.Module:
+    model = llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+    """Untiled checkpointed Llama against tiled + offloaded, under ``wrap``; reports the offloader's counts."""
+    from tiledmlp import offload
+
+    offload.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: offload them all the same
+    offload._OFFLOADERS.clear()
+    recipe = _recipe(env, checkpointed_llama, wrap, tile=enable(tile_tokens=16, offload="cpu"))
+    metrics = untiled_vs_tiled(recipe, env)
+    stats = offload.offloader_for(env.device).stats
+    metrics.update(offload_regions=stats["regions"], offload_restored=stats["restored"])
+    return metrics
+
+
+@case
+def hf_llama_ddp_offload(env: Env) -> dict[str, Any]:
+    return _offload_case(env, ddp(env))
+
+
+@case
+def hf_llama_fsdp2_offload(env: Env) -> dict[str, Any]:
+    return _offload_case(env, fsdp2(env, LlamaDecoderLayer))
 
 
 @case

@@ -1,4 +1,5 @@
-"""Hugging Face models under torchrun (cases in ``cases_hf.py``): Llama, Mixtral (MoE), PEFT-LoRA."""
+"""Hugging Face models under torchrun (cases in ``cases_hf.py``): Llama, Mixtral (MoE), PEFT-LoRA, and a
+checkpointed Llama with host offload."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ CASES = {
     "hf_peft_lora_ddp": "ddp",
     "hf_peft_lora_ddp_tile_before_wrap": "ddp",
 }
+#: checkpointed Llama with offload="cpu": backward recomputes each layer, so each tiled MLP is called once
+#: per step in backward (by the checkpoint, as untiled — never per shard)
+OFFLOAD = {"hf_llama_ddp_offload": "ddp", "hf_llama_fsdp2_offload": "fsdp2"}
 
 
 @pytest.fixture(scope="module")
@@ -29,5 +33,17 @@ def test_matches_untiled(suite, case):
     assert_matches_untiled(suite.metrics(case), CASES[case])
 
 
+@pytest.mark.parametrize("case", list(OFFLOAD))
+def test_offload_matches_untiled_and_restores_every_layer_input(suite, case):
+    """3 steps x 2 checkpointed layers: the same training and collectives as the untiled checkpointed model,
+    and every layer input went to the host and came back."""
+    metrics = suite.metrics(case)
+    for m in metrics:
+        m["calls_in_backward"] -= 3 * 2  # the checkpoint's recompute of each layer, once per step
+    assert_matches_untiled(metrics, OFFLOAD[case])
+    for rank, m in enumerate(metrics):
+        assert m["offload_regions"] == m["offload_restored"] == 3 * 2, (rank, m)
+
+
 def test_every_case_checked(suite):
-    assert_all_checked(suite, set(CASES))
+    assert_all_checked(suite, set(CASES) | set(OFFLOAD))

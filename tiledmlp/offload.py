@@ -1,0 +1,388 @@
+"""Checkpointed activations offloaded to host memory, exact and overlapped with compute.
+
+Design note — what is offloaded
+-------------------------------
+With non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
+Hugging Face's ``gradient_checkpointing_enable``), a checkpointed region saves nothing of its own: its
+recompute closure keeps the region's *inputs* alive on the GPU, from its forward to its recompute in
+backward. For a decoder stack those inputs — each layer's hidden states, ``tokens x hidden`` — are what
+is left at a million tokens (16 layers x 1M x 2048 x 2 bytes = 64 GiB). This module keeps them in
+pinned host memory instead:
+
+1. forward: each large floating-point tensor argument of a checkpointed call (``>= min_bytes``; masks,
+   positions and other small arguments stay) is cloned into a tensor only the region holds, and the
+   clone is copied to a pinned host buffer on a side stream right away; when the region's forward has
+   returned, the clone's storage is freed (``resize_(0)``), the allocator told that the side stream
+   still reads it (``record_stream``). The clone, not the caller's tensor, is freed: anyone else holding
+   the caller's tensor (``output_hidden_states``, a residual) is never touched, and an output that
+   aliases the clone keeps it on the GPU;
+2. backward: a hook on the region's outputs fires when their first gradient arrives, before any node
+   of the region runs (so before its recompute): it makes the compute stream wait for this region's
+   copy back (started one region earlier) and starts the copy back of the previous region, on the side
+   stream, into storage allocated on the compute stream after an event — compute never reads a
+   half-copied tensor, and the side stream never writes memory the compute stream still uses;
+3. a host buffer returns to the pool as soon as its copy back is queued (later copies on the same side
+   stream are ordered after it); buffers are kept, by size, across steps — nothing is pinned per step.
+
+The copies are bit-exact, so losses and gradients are identical to the run without offload. Memory:
+one region's inputs on the GPU at a time during backward (plus the one being prefetched), instead of
+all of them. Host memory: the sum of all regions' inputs, checked against the host's available memory
+when a step first needs more buffers (a ``MemoryError`` before the copies, not the OOM killer).
+Communication: none.
+
+On a CPU device the same mechanics run synchronously (copy to a separate host buffer, free, copy back):
+that is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.profiler import record_function
+
+__all__ = ["HostOffload", "OffloadingCheckpointFunc", "OFFLOAD_TARGETS", "checkpoint", "checkpointed_layers",
+           "install_offload", "uninstall_offload", "offloaded_layers", "offloader_for"]
+
+OFFLOAD_TARGETS = ("cpu",)
+MIN_BYTES = 1 << 20  # arguments smaller than this stay on the device
+_HOST_MARGIN = 2 << 30  # host memory left free for everything else
+_SAVED_ATTR = "_tiledmlp_offload_saved"
+
+
+def _available_host_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class _Region:
+    """One checkpointed call's offloaded inputs: the device tensors (storage freed between forward and
+    backward), their host copies, and the event that says a copy back has landed."""
+
+    owner: "HostOffload"
+    tensors: list[torch.Tensor]
+    hosts: list[torch.Tensor]
+    nbytes: list[int]
+    seq: int = 0  # order of the region's forward
+    ready: Any = None  # CUDA event of the copy back; None before it starts (or on a CPU)
+    restored: bool = False
+    # [released]: shared with the finalizer that returns the buffers of a region backward never reached
+    released: list = field(default_factory=lambda: [False], repr=False)
+
+    def restore(self) -> None:
+        """Start copying back (idempotent); on a CPU, copy back now."""
+        if self.restored:
+            return
+        self.restored = True
+        owner = self.owner
+        for t, n in zip(self.tensors, self.nbytes):
+            t.untyped_storage().resize_(n)  # allocated on the current (compute) stream
+        # Written through fresh aliases: the checkpoint saved the inputs with their version counters,
+        # which a copy into the tensors themselves would bump (and the recompute would refuse).
+        pairs = [(_alias(t), h.view(t.dtype).view(t.shape)) for t, h in zip(self.tensors, self.hosts)]
+        if owner.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+        else:
+            allocated = torch.cuda.Event()
+            allocated.record()
+            with torch.cuda.stream(owner.stream):
+                owner.stream.wait_event(allocated)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record(owner.stream)
+        self.release_hosts()  # later uses of the buffers are queued after these copies
+        # The region lives as long as the graph (its hook is on the outputs' node); the tensors must not: the
+        # checkpoint frees them after the region's backward, as without offload.
+        self.tensors = []
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+
+    def release_hosts(self) -> None:
+        _release(self.owner, self.hosts, self.released)
+
+
+def _release(owner: "HostOffload", hosts: list[torch.Tensor], released: list) -> None:
+    if not released[0]:
+        released[0] = True
+        owner.give_back(hosts)
+
+
+class HostOffload:
+    """Offloads the inputs of checkpointed regions on ``device`` to host memory (see the design note).
+
+    One instance per device serves every checkpointed call on it; ``stats`` counts regions, bytes and
+    host buffers allocated (for tests and ``describe``)."""
+
+    def __init__(self, device: torch.device, min_bytes: Optional[int] = None, expected_regions: int = 0) -> None:
+        self.device = device
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self.expected_regions = expected_regions  # layers per step, for the host-memory check
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._live: list[weakref.ref] = []  # regions not yet restored, in forward order
+        self._seq = 0
+        self.stats = {"regions": 0, "offloaded_bytes": 0, "restored": 0, "host_buffers": 0, "host_bytes": 0}
+
+    # -- host buffers ------------------------------------------------------------------------------
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        self._check_host_memory(nbytes)
+        pinned = self.stream is not None
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.stats["host_buffers"] += 1
+        self.stats["host_bytes"] += nbytes
+        return buf
+
+    def _check_host_memory(self, nbytes: int) -> None:
+        """Refuse, before copying, a step whose offloaded inputs cannot fit in host memory."""
+        available = _available_host_bytes()
+        if available is None:
+            return
+        regions = max(self.expected_regions - self.stats["host_buffers"], 1)
+        need = nbytes * regions
+        if need + _HOST_MARGIN > available:
+            raise MemoryError(
+                f"offload='cpu' needs about {need / 2**30:.1f} GiB more host memory for this step's checkpointed "
+                f"activations ({regions} regions of {nbytes / 2**30:.2f} GiB), but {available / 2**30:.1f} GiB is "
+                "available. Use fewer tokens per step, more host memory, or offload=None.")
+
+    def give_back(self, hosts: list[torch.Tensor]) -> None:
+        for h in hosts:
+            self._free.setdefault(h.numel(), []).append(h)
+
+    # -- one checkpointed call ---------------------------------------------------------------------
+
+    def wants(self, value: Any) -> bool:
+        return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.device == self.device
+                and value.numel() * value.element_size() >= self.min_bytes and not _is_subclass(value))
+
+    def run(self, checkpoint_fn: Callable[..., Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``checkpoint_fn(fn, *args, **kwargs)`` with the large tensor arguments offloaded between the
+        region's forward and its recompute."""
+        if not torch.is_grad_enabled():
+            return checkpoint_fn(fn, *args, **kwargs)
+        positions = [i for i, a in enumerate(args) if self.wants(a)]
+        if not positions:
+            return checkpoint_fn(fn, *args, **kwargs)
+        with record_function("tiledmlp::offload_out"):
+            args = list(args)
+            clones = [args[i].clone() for i in positions]  # a tensor only the region holds (see note)
+            for i, c in zip(positions, clones):
+                args[i] = c
+            region = self._send(clones)
+        out = checkpoint_fn(fn, *args, **kwargs)
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        kept = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        with record_function("tiledmlp::offload_free"):
+            for k, c in enumerate(clones):
+                if c.untyped_storage().data_ptr() in kept:  # an output aliases it: it must stay
+                    region.nbytes[k] = -1
+                    continue
+                if self.stream is not None:
+                    c.record_stream(self.stream)
+                c.untyped_storage().resize_(0)
+        region.tensors = [t for t, n in zip(region.tensors, region.nbytes) if n >= 0]
+        region.hosts = [h for h, n in zip(region.hosts, region.nbytes) if n >= 0]
+        region.nbytes = [n for n in region.nbytes if n >= 0]
+        if outs and region.tensors:
+            torch.autograd.graph.register_multi_grad_hook(outs, functools.partial(_before_backward, region),
+                                                          mode="any")
+        else:
+            region.restore()  # nothing will recompute it (or nothing was offloaded): put it back
+        return out
+
+    def _send(self, tensors: list[torch.Tensor]) -> _Region:
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        hosts = [self._host_buffer(n) for n in nbytes]
+        if self.stream is None:
+            for t, h in zip(tensors, hosts):
+                h.view(t.dtype).view(t.shape).copy_(t)
+        else:
+            computed = torch.cuda.Event()
+            computed.record()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(computed)
+                for t, h in zip(tensors, hosts):
+                    h.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        self._seq += 1
+        region = _Region(self, tensors, hosts, nbytes, seq=self._seq)
+        weakref.finalize(region, _release, self, list(hosts), region.released)
+        self._live = [ref for ref in self._live if (r := ref()) is not None and not r.restored]
+        self._live.append(weakref.ref(region))
+        self.stats["regions"] += 1
+        self.stats["offloaded_bytes"] += sum(nbytes)
+        return region
+
+    def previous(self, region: _Region) -> Optional[_Region]:
+        """The region offloaded last before ``region`` and not restored yet (the next one backward
+        reaches), if any."""
+        earlier = [r for r in (ref() for ref in self._live) if r is not None and not r.restored and r.seq < region.seq]
+        return max(earlier, key=lambda r: r.seq, default=None)
+
+
+def _before_backward(region: _Region, grads: Any) -> None:
+    """Runs when the region's first output gradient arrives, before its recompute: its inputs back (and
+    the previous region's on their way)."""
+    with record_function("tiledmlp::offload_in"):
+        region.restore()
+        region.wait()
+        region.owner.stats["restored"] += 1
+        ahead = region.owner.previous(region)
+        if ahead is not None:
+            ahead.restore()
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s storage and layout with a version counter of its own."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                t.shape, t.stride())
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points: a drop-in checkpoint for custom models, and Hugging Face's per-layer checkpoint function
+
+_OFFLOADERS: dict[torch.device, HostOffload] = {}
+
+
+def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffload:
+    """The process's offloader for ``device`` (its host buffers are shared by every model on it)."""
+    offloader = _OFFLOADERS.get(device)
+    if offloader is None:
+        offloader = _OFFLOADERS[device] = HostOffload(device)
+    offloader.expected_regions = max(offloader.expected_regions, expected_regions)
+    return offloader
+
+
+def _check_target(offload: Optional[str]) -> None:
+    if offload is not None and offload not in OFFLOAD_TARGETS:
+        raise ValueError(f"offload={offload!r} is not supported; use one of {list(OFFLOAD_TARGETS)} or None")
+
+
+def _device_of(args: tuple) -> Optional[torch.device]:
+    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] = "cpu", use_reentrant: bool = False,
+               preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)`` whose large tensor
+    arguments wait for the recompute in host memory (``offload="cpu"``; None: plain checkpointing).
+
+    The drop-in for custom models (Hugging Face models: ``enable_tiling(model, offload="cpu")``). Memory:
+    the arguments' device copies are freed from the end of the region's forward to one region before its
+    recompute; host memory holds them meanwhile. Communication: none.
+    """
+    _check_target(offload)
+    if use_reentrant:
+        raise ValueError("tiledmlp.checkpoint offloads the inputs of non-reentrant checkpointing only (reentrant "
+                         "checkpointing saves them itself); call it with use_reentrant=False.")
+    ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
+                             preserve_rng_state=preserve_rng_state)
+    device = _device_of(args)
+    if offload is None or device is None:
+        return ckpt(function, *args, **kwargs)
+    return offloader_for(device).run(ckpt, function, *args, **kwargs)
+
+
+class OffloadingCheckpointFunc:
+    """A Hugging Face layer's ``_gradient_checkpointing_func`` (``functools.partial(checkpoint,
+    use_reentrant=False)``) with the layer's input offloaded (``HostOffload.run``)."""
+
+    __slots__ = ("original", "layers")
+
+    def __init__(self, original: Callable[..., Any], layers: int) -> None:
+        self.original, self.layers = original, layers
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        device = _device_of(args)
+        if device is None:
+            return self.original(function, *args, **kwargs)
+        return offloader_for(device, self.layers).run(self.original, function, *args, **kwargs)
+
+
+def _original_func(module: torch.nn.Module) -> Any:
+    func = module.__dict__.get("_gradient_checkpointing_func")
+    return func.original if isinstance(func, OffloadingCheckpointFunc) else func
+
+
+def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[torch.nn.Module]:
+    """The modules whose checkpointed inputs ``offload`` moves (none for None); ValueError, naming the fix,
+    when the model does not checkpoint or checkpoints reentrantly. Changes nothing."""
+    _check_target(offload)
+    if offload is None:
+        return []
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+               and callable(_original_func(m))]
+    # Transformers 5 checkpoints in each GradientCheckpointingLayer (the base model keeps a flag it does not
+    # use); older modeling code calls the base model's function once per layer.
+    layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)] or flagged
+    if not layers:
+        raise ValueError(
+            f"offload={offload!r} moves checkpointed activations to the host, but no module of "
+            f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}) (activation_checkpointing_enable in recent "
+            "transformers) before enable_tiling, or, in a custom "
+            "model, use tiledmlp.checkpoint(fn, *args) where it calls torch.utils.checkpoint.checkpoint.")
+    for m in layers:
+        func = _original_func(m)
+        is_torch = isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint
+        if not is_torch or func.keywords.get("use_reentrant") is not False:
+            raise ValueError(
+                f"offload={offload!r} needs non-reentrant checkpointing (torch.utils.checkpoint with "
+                f"use_reentrant=False), but {type(m).__name__} checkpoints with {func!r}: call "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
+    return layers
+
+
+def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """Give each of ``layers`` the offloading checkpoint function (restoring any earlier one first)."""
+    uninstall_offload(model)
+    for m in layers:
+        original = m.__dict__["_gradient_checkpointing_func"]
+        m.__dict__[_SAVED_ATTR] = original
+        m._gradient_checkpointing_func = OffloadingCheckpointFunc(original, len(layers))
+
+
+def uninstall_offload(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if _SAVED_ATTR in m.__dict__:
+            m._gradient_checkpointing_func = m.__dict__.pop(_SAVED_ATTR)
+
+
+def offloaded_layers(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the modules whose checkpointed inputs are offloaded."""
+    return [name for name, m in model.named_modules() if _SAVED_ATTR in m.__dict__]
