@@ -50,12 +50,12 @@ gradient and accumulators from forward to backward instead). No communication ha
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
 from .accumulate import GradAccumulator
@@ -63,6 +63,38 @@ from .accumulate import GradAccumulator
 __all__ = ["AutocastReplay", "Form", "TileCall", "run_tiled", "in_shard"]
 
 _state = threading.local()
+
+
+_TWICE = ("tiledmlp: a tiled MLP or loss computes its gradients shard by shard, once, so it cannot be "
+          "differentiated twice (create_graph=True, gradient penalties, Hessian-vector products). Disable tiling "
+          "for this computation: tiledmlp.disable_tiling(model) (enable_tiling restores it).")
+
+
+def _once_differentiable(backward):
+    """``torch.autograd.function.once_differentiable``, with an error that names tiling and the fix when a
+    second backward reaches the node (the first, with ``create_graph=True``, succeeds as usual)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            return outputs
+        delayed = torch._C._functions.DelayedError(_TWICE, len(outputs))
+        return delayed(*[None if o is None else o.detach().requires_grad_() if o.is_floating_point() else o
+                         for o in outputs])
+
+    return wrapper
+
+
+def _refuse_functorch() -> None:
+    """torch.func transforms (grad, vmap, jacrev, ...) would fail inside autograd with an error about
+    ``setup_context``; say instead that tiling is the cause, and the fix."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        raise RuntimeError("tiledmlp: tiled modules do not support torch.func transforms (grad, vmap, jacrev, "
+                           "functional_call under grad): their shards run inside one autograd node. Disable tiling "
+                           "for this computation: tiledmlp.disable_tiling(model).")
 
 
 def in_shard() -> bool:
@@ -277,7 +309,7 @@ class TiledMLPFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
         call: Optional[TileCall] = ctx.call
         if call is None:  # the gradients were finished in forward
@@ -338,6 +370,7 @@ def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -
     Builds the autograd node only when something needs a gradient; under ``torch.no_grad()`` (or with
     nothing trainable) the shards run without any graph, so inference gets the same memory savings.
     """
+    _refuse_functorch()
     if not x.is_contiguous():
         x = x.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):

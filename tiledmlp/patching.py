@@ -35,6 +35,7 @@ from .forms import Slot
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
+from .hooks import hooked_children
 from .logs import warn_once
 from .recognize import Recognized, recognize_mlp
 from .runtime import TiledCallSpec
@@ -212,6 +213,10 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):
     x, rebuild = _split_input(state, args, kwargs)
     if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
         return original(*args, **kwargs)
+    if not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1], x.shape[-1],
+                                                                   state.spec.layout is not None):
+        # Decode and short inference calls: one shard is the untiled computation; skip the machinery.
+        return original(*args, **kwargs)
     extra = list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
     if _has_tensor(extra):
         raise ValueError(
@@ -229,6 +234,12 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):
         warn_once(("extra arguments", state.spec.name), "%s: called with extra arguments (%s); the fast %s form "
                   "computes forward(x) only, so these calls take the slower generic form", state.spec.name,
                   ", ".join(map(str, kwargs)) or "positional", state.kind)
+    hooked = hooked_children(module) if fast and state.spec.layout is not None else []
+    if hooked:  # registered after enable_tiling: the fast form would skip them
+        fast = False
+        warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the fast %s form "
+                  "does not call the children, so these calls take the generic form, which calls them (per "
+                  "shard)", state.spec.name, ", ".join(hooked), state.kind)
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
 
 

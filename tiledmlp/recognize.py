@@ -24,8 +24,10 @@ generic form, which replays it exactly.
 
 Sharded parameters — FSDP2's or a tensor-parallel plan's DTensors — are gathered for the probe
 (``full_tensor()``: one all-gather per parameter, at enable time, in the same order on every rank,
-as ``enable_tiling`` runs on all of them), and the children's ``parallelize_module`` hooks are
-suspended while it runs, so it sees what the module computes on one device.
+as ``enable_tiling`` runs on all of them). The children's hooks are suspended while it runs (the
+probe's tokens are not the user's data; ``parallelize_module``'s would redistribute), so it sees what
+the module computes on one device; a module whose children carry hooks of their own then takes the
+generic form, which calls them (``tiledmlp.hooks``).
 
 What the fast forms do not compute makes a candidate generic, with the reason in
 ``Recognized.reason``: parameters or buffers outside the projections (LoRA adapters, a learned
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .distributed.detect import fsdp2_units_below, is_dtensor
-from .distributed.tensor_parallel import without_tp_hooks
+from .hooks import hooked_children, silenced_hooks
 from .forms import Slot, is_plain_linear, swapped
 from .mlp_form import MLPForm, MLPLayout, Proj
 from .runtime import dedupe
@@ -261,7 +263,7 @@ class _Probe:
 
     def run(self, x: torch.Tensor, training: bool) -> Any:
         with (torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),
-              without_tp_hooks(self.module)):
+              silenced_hooks(self.module)):
             return self.forward(x)
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
@@ -347,6 +349,10 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
         if not named:
             return None  # not provably an MLP (nor per-token) without the probe
         layout = _structural_glu(module, where)
+        if layout is not None and hooked_children(module):
+            return Recognized("generic", tuple(slots), warn=True, reason=(
+                f"hooks are registered on {', '.join(hooked_children(module))}; the fast forms do not call the "
+                "children, so they would skip them. The generic form calls them (per shard)"))
         if layout is not None:
             return Recognized(layout.form, tuple(slots), layout,
                               computes=f"Hugging Face GLU ({layout.activation}), by structure: the probe could not run "
@@ -375,6 +381,10 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
 
     if not fast:
         return generic("form='generic' was asked for", warn=False)
+    hooked = hooked_children(module)
+    if hooked:
+        return generic(f"hooks are registered on {', '.join(hooked)}; the fast forms do not call the children, so "
+                       "they would skip them. The generic form calls them (per shard)")
     wrapped = sorted({f"{lin.name}: {lin.wrapper}" for lin in linears if lin.wrapper})
     if wrapped:
         return generic(f"its projections are wrapped ({'; '.join(wrapped)}); the fast forms compute plain "

@@ -275,8 +275,9 @@ class TPStrategy(Strategy):
         if layout is None:
             raise ValueError(
                 f"{module_name}: a tensor-parallel MLP is tiled with its fast form only, but this call needs "
-                "the generic form (it got extra arguments); the generic form would run the sharded "
-                "projections, and their collectives, once per shard. Call it with the hidden states only.")
+                "the generic form (it got extra arguments, or hooks were registered on its projections); the "
+                "generic form would run the sharded projections, and their collectives, once per shard. Call "
+                "it with the hidden states only, without hooks on its children, or leave it untiled.")
         return localize(self.plan, module_name, x, params, layout)
 
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:

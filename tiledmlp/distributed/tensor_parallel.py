@@ -34,10 +34,9 @@ other way makes tiling refuse a tensor-parallel MLP instead of guessing its layo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -45,7 +44,7 @@ from torch import nn
 from ..mlp_form import MLPLayout, Proj
 from .detect import is_dtensor
 
-__all__ = ["TPStyle", "TPPlan", "read_style", "tp_plan", "has_tp_hooks", "without_tp_hooks"]
+__all__ = ["TPStyle", "TPPlan", "read_style", "tp_plan", "has_tp_hooks", "tp_hook_count"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,11 @@ def has_tp_hooks(module: nn.Module) -> bool:
     return bool(_style_hooks(module))
 
 
+def tp_hook_count(module: nn.Module) -> int:
+    """How many of ``module``'s forward hooks are ``parallelize_module``'s (cheap: none when no hooks)."""
+    return len(_style_hooks(module)) if module._forward_hooks or module._forward_pre_hooks else 0
+
+
 def read_style(module: nn.Module) -> Optional[TPStyle]:
     """The column- or row-wise style ``parallelize_module`` applied to ``module``, or None."""
     found = {where: (kind, args, mesh) for _, _, (kind, where, args, mesh) in _style_hooks(module)}
@@ -117,23 +121,6 @@ def read_style(module: nn.Module) -> Optional[TPStyle]:
     kind, (input_layouts, _desired), mesh = found["input"]
     _, (output_layouts, local_output), _ = found["output"]
     return TPStyle(kind, mesh, input_layouts[0], output_layouts[0], bool(local_output))
-
-
-@contextlib.contextmanager
-def without_tp_hooks(module: nn.Module) -> Iterator[None]:
-    """Column/row-wise hooks of ``module``'s submodules suspended (restored in order on exit): the
-    recognition probe computes with gathered full weights, as the module would on one device."""
-    saved = []
-    for m in module.modules():
-        for table, key, _ in _style_hooks(m):
-            saved.append((table, dict(table)))
-            del table[key]
-    try:
-        yield
-    finally:
-        for table, before in reversed(saved):
-            table.clear()
-            table.update(before)
 
 
 def _is_shard_last(p: Any) -> bool:
