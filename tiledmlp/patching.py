@@ -18,8 +18,8 @@ instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
 
 from __future__ import annotations
 
+import functools
 import inspect
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
@@ -168,7 +168,8 @@ def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Option
 
 def _original_forward(module: nn.Module):
     saved = _saved_forward(module)
-    return saved if saved is not None else types.MethodType(type(module).forward, module)
+    # A partial, not types.MethodType: Dynamo traces through it (no graph break under torch.compile).
+    return saved if saved is not None else functools.partial(type(module).forward, module)
 
 
 def _saved_forward(module: nn.Module) -> Any:
@@ -207,6 +208,7 @@ class TiledForward:
         return (TiledForward, (self.module,))
 
 
+@torch.compiler.disable
 def _tiled_forward(module: nn.Module, *args, **kwargs):
     state: TilingState = module.__dict__[STATE_ATTR]
     original = _original_forward(module)
