@@ -1,0 +1,42 @@
+"""Every Python block of ``docs/integrations.md`` runs as written (on a CPU, each in a fresh interpreter:
+some start a process group)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "integrations.md").read_text(), re.S)
+
+
+def test_the_page_has_its_blocks():
+    assert len(BLOCKS) == 4
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_block_runs(index, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", BLOCKS[index]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}", 2: "['generic', 'loss']",
+                3: "fsdp2+tp"}[index]
+    assert expected in last, proc.stdout[-2000:]
+
+
+def test_trainer_block_with_torch_compile(tmp_path):
+    """The page says ``TrainingArguments(torch_compile=True)`` works too: the first block, compiled."""
+    block = BLOCKS[0].replace("report_to=[], use_cpu=True)", "report_to=[], use_cpu=True, torch_compile=True, "
+                                                              "torch_compile_backend='aot_eager')")
+    assert "torch_compile=True" in block
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "tiled 2 MLPs" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
