@@ -384,5 +384,7 @@ def uninstall_offload(model: torch.nn.Module) -> None:
 
 
 def offloaded_layers(model: torch.nn.Module) -> list[str]:
-    """Qualified names of the modules whose checkpointed inputs are offloaded."""
-    return [name for name, m in model.named_modules() if _SAVED_ATTR in m.__dict__]
+    """Qualified names of the modules whose checkpointed inputs are offloaded (not those whose checkpoint
+    function was replaced since, e.g. by a later ``gradient_checkpointing_enable``)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("_gradient_checkpointing_func"), OffloadingCheckpointFunc)]
