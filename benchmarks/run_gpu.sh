@@ -2,7 +2,7 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|longctx|longctx-max]
+#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|decode|longctx|longctx-max]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,7 @@ run styles && python3 benchmarks/bench_mlp.py --style act_fn,inline,torchtitan -
 run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
 run paired && python3 benchmarks/bench_paired.py && python3 benchmarks/bench_paired.py --act gelu_tanh
 run loss && python3 benchmarks/bench_loss.py
+run decode && python3 benchmarks/bench_decode.py
 # 128K tokens and beyond: one timed step per variant (a 128K step takes seconds, a 512K one minutes)
 run longctx && python3 benchmarks/bench_longctx.py --multi-step-max 65536
 run longctx-max && python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432 --tag max

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import bench_decode  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
 import bench_mlp  # noqa: E402
@@ -45,6 +46,13 @@ def test_bench_longctx_smoke(tmp_path):
         losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
         assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses  # same model, same loss
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_bench_decode_smoke(tmp_path):
+    bench_decode.main(["--smoke", "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "bench_decode_cpu_smoke.csv")
+    assert [r["variant"] for r in rows] == ["untiled", "tiled"]
+    assert all(r["same_tokens"] == "True" and float(r["ms_per_token"]) > 0 for r in rows)
 
 
 def test_bench_mlp_styles_smoke(tmp_path):
