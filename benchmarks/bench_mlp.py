@@ -320,13 +320,35 @@ def build_tiledmlp_fp32acc(shape: Shape, state: dict[str, torch.Tensor], dtype: 
     return build_tiledmlp(shape, state, dtype, {"grad_accum_dtype": torch.float32, "scratch_mib": 1024, **options})
 
 
+def compile_backend() -> str:
+    """Inductor on a GPU; ``aot_eager`` on a CPU (inductor's CPU path needs a C++ toolchain; the smoke run
+    checks the plumbing, not the speed)."""
+    return "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
+def build_eager_compiled(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                         options: dict[str, Any]) -> Runner:
+    """transformers' block under ``torch.compile``."""
+    module = materialize(eager_module(shape), state, dtype)
+    return Runner(module, torch.compile(module, backend=compile_backend()))
+
+
+def build_tiledmlp_compiled(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                            options: dict[str, Any]) -> Runner:
+    """The tiled block under ``torch.compile`` (each tiled call is one graph break: the shards run eagerly)."""
+    runner = build_tiledmlp(shape, state, dtype, options)
+    return Runner(runner.module, torch.compile(runner.module, backend=compile_backend()), runner.form)
+
+
 BUILDERS: dict[str, Callable[..., Runner]] = {
     "eager": build_eager,
+    "eager_compiled": build_eager_compiled,
     "liger": build_liger,
     "liger_tiled": build_liger_tiled,
     "deepspeed_tiled": build_deepspeed_tiled,
     "tiledmlp": build_tiledmlp,
     "tiledmlp_fp32acc": build_tiledmlp_fp32acc,
+    "tiledmlp_compiled": build_tiledmlp_compiled,
 }
 PROVIDER_IMPORTS = {  # provider -> (module, name it must define)
     "liger": ("liger_kernel.transformers.swiglu", "LigerSwiGLUMLP"),
@@ -334,6 +356,7 @@ PROVIDER_IMPORTS = {  # provider -> (module, name it must define)
     "deepspeed_tiled": ("deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP"),
     "tiledmlp": ("tiledmlp", "enable_tiling"),
     "tiledmlp_fp32acc": ("tiledmlp", "enable_tiling"),
+    "tiledmlp_compiled": ("tiledmlp", "enable_tiling"),
 }
 
 
@@ -767,11 +790,13 @@ def apply_defaults(args: argparse.Namespace) -> None:
 
 def output_stem(args: argparse.Namespace, device: torch.device) -> str:
     """``bench_mlp_<gpu>_<act>`` (``bench_moe_...`` with --moe; ``_<styles>`` for other styles than
-    ``act_fn``, ``_H<hidden>`` for another hidden size than 4096, ``..._quick`` with --quick)."""
+    ``act_fn``, ``_H<hidden>`` for another hidden size than 4096, ``_compile`` with compiled providers,
+    ``..._quick`` with --quick)."""
     kind = "moe" if args.moe else "mlp"
     styles = "" if args.styles == ["act_fn"] else "_" + "-".join(args.styles)
     hidden = "" if args.hidden == 4096 or args.quick else f"_H{args.hidden}"
-    return f"bench_{kind}_{gpu_slug(device)}_{args.act}{styles}{hidden}" + ("_quick" if args.quick else "")
+    compiled = "_compile" if any(p.endswith("_compiled") for p in args.providers) else ""
+    return f"bench_{kind}_{gpu_slug(device)}_{args.act}{styles}{hidden}{compiled}" + ("_quick" if args.quick else "")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -2,7 +2,7 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|decode|longctx|longctx-max]
+#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|decode|compile|longctx|longctx-max]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -28,6 +28,9 @@ run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
 run paired && python3 benchmarks/bench_paired.py && python3 benchmarks/bench_paired.py --act gelu_tanh
 run loss && python3 benchmarks/bench_loss.py
 run decode && python3 benchmarks/bench_decode.py
+# torch.compile (issue 16): compiled untiled vs compiled tiled vs eager tiled, Llama-3-8B MLP
+run compile && python3 benchmarks/bench_mlp.py --providers eager,eager_compiled,tiledmlp,tiledmlp_compiled \
+    --seq-lens 8192,32768,131072
 # 128K tokens and beyond: one timed step per variant (a 128K step takes seconds, a 512K one minutes)
 run longctx && python3 benchmarks/bench_longctx.py --multi-step-max 65536
 run longctx-max && python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432 --tag max

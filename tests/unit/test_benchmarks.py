@@ -71,6 +71,17 @@ def test_bench_mlp_styles_smoke(tmp_path):
             assert max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
 
 
+def test_bench_mlp_compiled_providers_smoke(tmp_path):
+    """The compile comparison (issue 16's bench): compiled eager and compiled tiled blocks run and agree."""
+    bench_mlp.main(["--smoke", "--providers", "eager,eager_compiled,tiledmlp,tiledmlp_compiled", "--out",
+                    str(tmp_path)])
+    (path,) = tmp_path.glob("bench_mlp_cpu_*.csv")
+    rows = _csv(path)
+    assert {r["provider"] for r in rows} == {"eager", "eager_compiled", "tiledmlp", "tiledmlp_compiled"}
+    for row in rows:
+        assert float(row["time_ms"]) > 0 and max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit, match="unknown provider"):
         bench_loss.available(["hf", "magic"], bench_loss.torch.device("cpu"))
