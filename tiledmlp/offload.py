@@ -319,8 +319,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] 
 
 
 class OffloadingCheckpointFunc:
-    """A Hugging Face layer's ``_gradient_checkpointing_func`` (``functools.partial(checkpoint,
-    use_reentrant=False)``) with the layer's input offloaded (``HostOffload.run``)."""
+    """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``, ``CheckpointWrapper``'s
+    ``checkpoint_fn``: ``functools.partial(checkpoint, use_reentrant=False, ...)``) with the layer's input
+    offloaded (``HostOffload.run``)."""
 
     __slots__ = ("original", "layers")
 
@@ -334,8 +335,20 @@ class OffloadingCheckpointFunc:
         return offloader_for(device, self.layers).run(self.original, function, *args, **kwargs)
 
 
+def _func_attr(module: torch.nn.Module) -> Optional[str]:
+    """Where ``module`` keeps the checkpoint function it calls as ``fn(function, *args, **kwargs)``:
+    Hugging Face's checkpointing layers (``_gradient_checkpointing_func``, while ``gradient_checkpointing``
+    is on) and torch's ``CheckpointWrapper`` (``checkpoint_fn``; torchtitan's ``apply_ac``)."""
+    if getattr(module, "gradient_checkpointing", False) is True and "_gradient_checkpointing_func" in module.__dict__:
+        return "_gradient_checkpointing_func"
+    if type(module).__name__ == "CheckpointWrapper" and "checkpoint_fn" in module.__dict__:
+        return "checkpoint_fn"
+    return None
+
+
 def _original_func(module: torch.nn.Module) -> Any:
-    func = module.__dict__.get("_gradient_checkpointing_func")
+    attr = _func_attr(module)
+    func = None if attr is None else module.__dict__[attr]
     return func.original if isinstance(func, OffloadingCheckpointFunc) else func
 
 
@@ -345,18 +358,19 @@ def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[
     _check_target(offload)
     if offload is None:
         return []
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
-               and callable(_original_func(m))]
+    flagged = [m for m in model.modules() if callable(_original_func(m))]
     # Transformers 5 checkpoints in each GradientCheckpointingLayer (the base model keeps a flag it does not
     # use); older modeling code calls the base model's function once per layer.
-    layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)] or flagged
+    hf_layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    layers = hf_layers + [m for m in flagged if _func_attr(m) == "checkpoint_fn"] if hf_layers else flagged
     if not layers:
         raise ValueError(
             f"offload={offload!r} moves checkpointed activations to the host, but no module of "
             f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False}) (activation_checkpointing_enable in recent "
-            "transformers) before enable_tiling, or, in a custom "
-            "model, use tiledmlp.checkpoint(fn, *args) where it calls torch.utils.checkpoint.checkpoint.")
+            "transformers) before enable_tiling, or wrap the layers with torch's checkpoint_wrapper (torchtitan's "
+            "apply_ac), or, in a custom model, use tiledmlp.checkpoint(fn, *args) where it calls "
+            "torch.utils.checkpoint.checkpoint.")
     for m in layers:
         func = _original_func(m)
         is_torch = isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint
@@ -364,7 +378,8 @@ def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[
             raise ValueError(
                 f"offload={offload!r} needs non-reentrant checkpointing (torch.utils.checkpoint with "
                 f"use_reentrant=False), but {type(m).__name__} checkpoints with {func!r}: call "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+                "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT).")
     return layers
 
 
@@ -372,19 +387,21 @@ def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module]) -> No
     """Give each of ``layers`` the offloading checkpoint function (restoring any earlier one first)."""
     uninstall_offload(model)
     for m in layers:
-        original = m.__dict__["_gradient_checkpointing_func"]
-        m.__dict__[_SAVED_ATTR] = original
-        m._gradient_checkpointing_func = OffloadingCheckpointFunc(original, len(layers))
+        attr = _func_attr(m)
+        original = m.__dict__[attr]
+        m.__dict__[_SAVED_ATTR] = (attr, original)
+        setattr(m, attr, OffloadingCheckpointFunc(original, len(layers)))
 
 
 def uninstall_offload(model: torch.nn.Module) -> None:
     for m in model.modules():
         if _SAVED_ATTR in m.__dict__:
-            m._gradient_checkpointing_func = m.__dict__.pop(_SAVED_ATTR)
+            attr, original = m.__dict__.pop(_SAVED_ATTR)
+            setattr(m, attr, original)
 
 
 def offloaded_layers(model: torch.nn.Module) -> list[str]:
     """Qualified names of the modules whose checkpointed inputs are offloaded (not those whose checkpoint
     function was replaced since, e.g. by a later ``gradient_checkpointing_enable``)."""
     return [name for name, m in model.named_modules()
-            if isinstance(m.__dict__.get("_gradient_checkpointing_func"), OffloadingCheckpointFunc)]
+            if _SAVED_ATTR in m.__dict__ and isinstance(getattr(m, m.__dict__[_SAVED_ATTR][0]), OffloadingCheckpointFunc)]

@@ -167,3 +167,47 @@ def test_disable_restores_the_checkpoint_function():
     tiledmlp.enable_tiling(model, offload="cpu")
     tiledmlp.disable_tiling(model)
     assert model.model.layers[0]._gradient_checkpointing_func is before and tiledmlp.offloaded_layers(model) == []
+
+
+class MLPBlock(nn.Module):
+    """A residual block around a GLU MLP (recognized and tiled), as torchtitan's apply_ac wraps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN)
+        self.mlp = transformers.models.llama.modeling_llama.LlamaMLP(
+            transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=176))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+def wrapped_stack(reentrant: bool = False) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    torch.manual_seed(0)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    return nn.Sequential(*[checkpoint_wrapper(MLPBlock(), checkpoint_impl=impl) for _ in range(3)])
+
+
+def test_torch_checkpoint_wrapper_layers_are_offloaded():
+    """torch's ``checkpoint_wrapper`` (torchtitan's apply_ac): its ``checkpoint_fn`` gets the offload."""
+    x = torch.randn(2, TOKENS, HIDDEN, requires_grad=True)
+    grads = []
+    for offload_to in (None, "cpu"):
+        model = tiledmlp.enable_tiling(wrapped_stack(), tile_tokens=16, offload=offload_to)
+        model(x).square().mean().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert tiledmlp.offloaded_layers(model) == ["0", "1", "2"]
+    stats = offload.offloader_for(torch.device("cpu")).stats
+    assert stats["regions"] == stats["restored"] == 3
+    tiledmlp.disable_tiling(model)
+    assert tiledmlp.offloaded_layers(model) == [] and not isinstance(model[0].checkpoint_fn,
+                                                                      offload.OffloadingCheckpointFunc)
+
+
+def test_reentrant_checkpoint_wrapper_is_refused():
+    with pytest.raises(ValueError, match="CheckpointImpl.NO_REENTRANT"):
+        tiledmlp.enable_tiling(wrapped_stack(reentrant=True), offload="cpu")
