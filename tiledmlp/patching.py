@@ -27,10 +27,9 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
-                                  module_path)
+from .distributed.detect import Wrapping, detect_wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
-from .distributed.tensor_parallel import TPPlan, has_tp_hooks, tp_plan
+from .distributed.tensor_parallel import TPPlan, tp_plan
 from .forms import Slot
 from .function import in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
@@ -146,7 +145,8 @@ class TilingState:
         path = [m for m in (ref() for ref in self.path) if m is not None]
         if not path or path[-1] is not module:
             path = [module]
-        key = _parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason)
+        key = _parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
+                              head=self.kind == "loss")
         if key not in self._auto:
             self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
         return self._auto[key]
@@ -156,14 +156,15 @@ class TilingState:
 
 
 def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
-                    reason: str = "") -> tuple[Wrapping, Optional[TPPlan]]:
+                    reason: str = "", head: bool = False) -> tuple[Wrapping, Optional[TPPlan]]:
     """The data-parallel wrapping of ``path[-1]`` and its tensor-parallel plan (None: not TP); raises
-    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``)."""
+    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``; ``head``: a tiled LM
+    head, which must not be tensor parallel)."""
     slots = list(slots)
     params = [s.get() for s in slots]
     wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params))
     return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
-                             reason=reason)
+                             reason=reason, head=head)
 
 
 def _original_forward(module: nn.Module):
@@ -259,9 +260,9 @@ def _input_name(forward) -> str:
 def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
                  label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list]:
     """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module
-    (``rec``: how it was recognized, for its tensor-parallel plan)."""
+    (``rec``: how it was recognized, for its tensor-parallel plan; None for an LM head)."""
     path = module_path(model, module)
-    wrapping, tp = _parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "")
+    wrapping, tp = _parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
     units = owning_units(path, wrapping)
     if strategy == "auto":
         # Unwrapped (TP or not): detected again at each call, so wrapping the model later still counts.
@@ -305,10 +306,6 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
     return states
 
 
-def _fsdp2_owned(model: nn.Module, module: nn.Module) -> bool:
-    return detect_wrapping(module_path(model, module)) is Wrapping.FSDP2
-
-
 def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[str, TilingState]:
     lms = find_causal_lms(model)
     if not lms:
@@ -323,11 +320,6 @@ def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[s
         head = check_causal_lm(lm_name, lm)
         name = names[id(head)]
         label = name or type(head).__name__
-        if has_tp_hooks(head) or (any(is_dtensor(p) for p in head.parameters()) and not _fsdp2_owned(model, head)):
-            raise ValueError(
-                f"loss=True: {label} is tensor parallel (a vocab-sharded head, loss_parallel style); the tiled "
-                "loss does not shard the vocabulary yet. Enable tiling with loss=False (the MLPs are still "
-                "tiled) and compute the loss under torch.distributed.tensor.parallel.loss_parallel().")
         slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
         forced, path = _strategy_of(model, head, slots, strategy, label)
         owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
@@ -386,7 +378,7 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
         else:
             path = module_path(model, module)
             wrapping, tp = _parallelism_of(path, state.spec.slots, getattr(state.spec, "layout", None), name,
-                                           state.reason)
+                                           state.reason, head=state.kind == "loss")
             yield name, module, state, strategy_for(wrapping, owning_units(path, wrapping), tp).name
 
 

@@ -219,7 +219,24 @@ def tp_bad_plans(env: Env) -> dict[str, Any]:
         "generic_form": _refusal(planned({"w1": col(), "w3": col(), "w2": row()}), form="generic"),
         "vocab_parallel_loss": _refusal(_tp_causal_lm(env, mesh), loss=True),
         "apply_tiled_mlp": _apply_refusal(planned({"w1": col(), "w3": col(), "w2": row()}), env),
+        "vocab_parallel_loss_tiled_before": _tiled_before_refusal(env, mesh),
     }
+
+
+def _tiled_before_refusal(env: Env, mesh: Any) -> dict[str, Any]:
+    """``loss=True`` on the bare model, then a vocab-sharded head: refused at the call that would tile it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = _tp_causal_lm(env, mesh, parallel_head=False)()
+    tiledmlp.enable_tiling(model, loss=True)
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    ids = torch.randint(VOCAB, (1, 16), device=env.device)
+    try:
+        model(input_ids=ids, labels=ids)
+        return {"message": None, "untouched": True}
+    except ValueError as exc:
+        return {"message": str(exc), "untouched": True}
 
 
 def _apply_refusal(build: Callable[[], nn.Module], env: Env) -> dict[str, Any]:
@@ -231,8 +248,8 @@ def _apply_refusal(build: Callable[[], nn.Module], env: Env) -> dict[str, Any]:
         return {"message": str(exc), "untouched": True}
 
 
-def _tp_causal_lm(env: Env, mesh: Any) -> Callable[[], nn.Module]:
-    """A tiny Hugging Face Llama whose LM head is ColwiseParallel (loss_parallel style)."""
+def _tp_causal_lm(env: Env, mesh: Any, parallel_head: bool = True) -> Callable[[], nn.Module]:
+    """A tiny Hugging Face Llama whose LM head is ColwiseParallel (loss_parallel style), or not yet."""
     def build() -> nn.Module:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -242,6 +259,8 @@ def _tp_causal_lm(env: Env, mesh: Any) -> Callable[[], nn.Module]:
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=88, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=4)
         model = LlamaForCausalLM(config).to(env.device)
+        if not parallel_head:
+            return model
         return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
                                                                            use_local_output=False)})
     return build

@@ -34,6 +34,7 @@ BAD_PLANS = {  # case -> words the ValueError must contain (what is wrong, and t
     "generic_form": ("fast form", "form='generic' was asked for", "form='auto'"),
     "vocab_parallel_loss": ("loss=False", "loss_parallel"),
     "apply_tiled_mlp": ("tensor parallel", "once per shard", "enable_tiling"),
+    "vocab_parallel_loss_tiled_before": ("lm_head is tensor parallel", "loss=False", "loss_parallel"),
 }
 
 

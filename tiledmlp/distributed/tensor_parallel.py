@@ -132,16 +132,26 @@ _PLAN_HINT = ("parallelize_module(mlp, tp_mesh, {gate: ColwiseParallel(), up: Co
               "Replicate()) on the MLP and RowwiseParallel(output_layouts=Shard(1)))")
 
 
+def refuse_tp_head(name: str) -> None:
+    raise ValueError(
+        f"loss=True: {name} is tensor parallel (a vocab-sharded head, loss_parallel style); the tiled loss does "
+        "not shard the vocabulary yet. Enable tiling with loss=False (the MLPs are still tiled) and compute the "
+        "loss under torch.distributed.tensor.parallel.loss_parallel().")
+
+
 def tp_plan(name: str, module: nn.Module, layout: Optional[MLPLayout], slots: Sequence[Any],
-            params: Sequence[torch.Tensor], fsdp2_owned: bool, reason: str = "") -> Optional[TPPlan]:
+            params: Sequence[torch.Tensor], fsdp2_owned: bool, reason: str = "", head: bool = False) -> Optional[TPPlan]:
     """The tensor-parallel plan of the tiled MLP ``module``, None if it is not tensor parallel.
 
     ``layout`` is its fast form over ``slots`` (None: generic, because ``reason``); ``params`` the
     tensors in the slots; ``fsdp2_owned``: a ``fully_shard`` unit owns them (their DTensors are then
-    FSDP2's, not a plan's). Raises ValueError, naming the fix, for a plan tiling cannot keep exact.
+    FSDP2's, not a plan's); ``head``: ``module`` is a tiled LM head. Raises ValueError, naming the fix,
+    for a plan tiling cannot keep exact.
     """
     children = {id(s.owner): s.owner for s in slots}
     styles = {key: read_style(m) for key, m in children.items()}
+    if head and (any(styles.values()) or (any(is_dtensor(p) for p in params) and not fsdp2_owned)):
+        refuse_tp_head(name)
     if not any(styles.values()):
         if any(is_dtensor(p) for p in params) and not fsdp2_owned:
             raise ValueError(
