@@ -31,6 +31,26 @@ def _lm(env: Env, micro: int = 1, **recipe: Any) -> Recipe:
     return Recipe(build=TinyLM, batches=token_batches(env, micro=micro), **recipe)
 
 
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """torch.compile every decoder block (aot_eager: the CPU suite checks the plumbing, not kernels)."""
+    from common import Block
+
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        block.compile(backend="aot_eager")
+    return model
+
+
+@case
+def ddp_compiled_blocks(env: Env) -> dict[str, Any]:
+    """Tiling, then torch.compile per block, then DDP (its default buckets: Dynamo's DDPOptimizer refuses a
+    first bucket larger than the others): trains like the compiled untiled model."""
+
+    def wrap(model: nn.Module) -> nn.Module:
+        return DDP(compile_blocks(model), device_ids=[env.local_rank] if env.on_gpu else None)
+
+    return untiled_vs_tiled(_lm(env, wrap=wrap, tile_before_wrap=True), env)
+
+
 @case
 def ddp_default(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_lm(env, wrap=ddp(env), optimizer="adamw"), env)

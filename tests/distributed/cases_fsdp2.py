@@ -45,6 +45,17 @@ def fsdp2_lm(env: Env, unit: Optional[type], micro: int = 1, optimizer: str = "s
 
 
 @case
+def fsdp2_compiled_layer_units(env: Env) -> dict[str, Any]:
+    """torchtitan's order: tiling, torch.compile per block, then fully_shard per block and the root."""
+    from cases_ddp import compile_blocks
+
+    recipe = fsdp2_lm(env, Block)
+    shard = recipe.wrap
+    recipe.wrap, recipe.tile_before_wrap = (lambda model: shard(compile_blocks(model))), True
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
 def fsdp2_layer_units(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(fsdp2_lm(env, Block, optimizer="adamw"), env)
 

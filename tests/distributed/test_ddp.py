@@ -14,6 +14,7 @@ pytestmark = pytest.mark.distributed
 #: case -> the strategy every tiled MLP must report (None: apply_tiled_mlp, nothing patched)
 STANDARD = {
     "ddp_default": "ddp",
+    "ddp_compiled_blocks": "ddp",
     "ddp_find_unused_parameters": "ddp",
     "ddp_gradient_as_bucket_view": "ddp",
     "ddp_mlp_params_only": "ddp",
