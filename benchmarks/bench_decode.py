@@ -30,7 +30,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_longctx import FULL, SMOKE, build_model, sync  # noqa: E402
-from bench_mlp import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+from bench_mlp import bench_device, fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
 
 COLUMNS = ("variant", "prompt", "new_tokens", "ms_per_token", "ratio_vs_untiled", "same_tokens", "gpu_name",
            "torch", "transformers", "tiledmlp", "date")
@@ -69,8 +69,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     model = build_model(SMOKE if args.smoke else FULL, args.prompt + args.new_tokens, device, dtype).eval()
     model.gradient_checkpointing_disable()
     gen = torch.Generator(device=device).manual_seed(0)

@@ -48,8 +48,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_mlp import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
-                       print_rows, run_or_status, save_figure, subplots, write_csv_rows)
+from bench_mlp import (bench_device, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
+                       plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
@@ -173,8 +173,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     variants = args.variants
     if device.type != "cuda":
         print("note: skipping the Liger variants on a CPU (its kernels are Triton)")

@@ -42,9 +42,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
-from bench_mlp import (cuda_median_ms, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
-                       plot_lines, print_rows, release_memory, run_or_status, save_figure, subplots,
-                       write_csv_rows)
+from bench_mlp import (bench_device, cuda_median_ms, fmt, format_tokens_axis, gpu_name, gpu_slug,  # noqa: E402
+                       package_version, plot_lines, print_rows, release_memory, run_or_status, save_figure,
+                       subplots, write_csv_rows)
 
 PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}
@@ -318,8 +318,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = bench_device(args.smoke)
     providers = available(args.providers, device)
     print(f"{gpu_name(device)}: LM head + cross-entropy, H={args.hidden}, dtype {dtype}, providers {providers}")
     rows = []

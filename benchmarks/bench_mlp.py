@@ -105,6 +105,12 @@ class Reference:
 # Environment
 
 
+def bench_device(smoke: bool) -> tuple[torch.device, torch.dtype]:
+    """The GPU in bf16, or (``--smoke``, or no GPU) the CPU in float32."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def gpu_name(device: torch.device) -> str:
     """The accelerator's marketing name, or "cpu"."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
