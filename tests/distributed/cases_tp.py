@@ -17,7 +17,7 @@ import tiledmlp
 from tiledmlp.patching import STATE_ATTR
 
 from common import Batch, Env, Recipe, compare, count_shards, enable, registry, total_update_error, train, untiled_vs_tiled
-from titan import (DIM, VOCAB, BiasedMLP, FeedForward, Transformer, apply_fsdp, apply_tp, mlp_plan,
+from titan import (DIM, VOCAB, BiasedMLP, FeedForward, Transformer, apply_fsdp, apply_tp, fused_glu, mlp_plan,
                    world_meshes)
 
 CASES, case = registry()
@@ -75,6 +75,12 @@ def tp_tile_before_parallelize(env: Env) -> dict[str, Any]:
 def tp_biased_plain_mlp(env: Env) -> dict[str, Any]:
     """A plain GELU MLP with biases: the down bias is added to the partial sum, before the reduce-scatter."""
     return untiled_vs_tiled(titan(env, env.world, mlp=BiasedMLP), env)
+
+
+@case
+def tp_fused_gate_up(env: Env) -> dict[str, Any]:
+    """Phi-3's fused gate_up_proj, ColwiseParallel as a whole, with sequence parallelism."""
+    return untiled_vs_tiled(titan(env, env.world, mlp=fused_glu), env)
 
 
 @case

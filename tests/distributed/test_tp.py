@@ -22,6 +22,7 @@ STANDARD = {
     "tp_sequence_parallel": "tp",
     "tp_tile_before_parallelize": "tp",
     "tp_biased_plain_mlp": "tp",
+    "tp_fused_gate_up": "tp",
     "tp_forced_strategy": "tp",
 }
 BAD_PLANS = {  # case -> words the ValueError must contain (what is wrong, and the fix)

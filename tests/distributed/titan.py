@@ -44,6 +44,15 @@ class BiasedMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+def fused_glu() -> nn.Module:
+    """Phi-3's MLP: one fused ``gate_up_proj`` (``ColwiseParallel`` shards it as a whole, so each rank's
+    ``chunk(2)`` splits its own slice, tiled or not) and ``down_proj``."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    return Phi3MLP(Phi3Config(hidden_size=DIM, intermediate_size=HIDDEN_DIM, hidden_act="silu"))
+
+
 class Attention(nn.Module):
     """Causal multi-head attention as torchtitan writes it (``view(bs, seqlen, -1, head_dim)``, so the
     local head count follows the TP shard); no rotary embedding, which tiling does not touch."""
@@ -96,7 +105,7 @@ class Transformer(nn.Module):
 
 def mlp_plan(mlp: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """The MLP's entries of torchtitan's plan, relative to the MLP (column-wise in, row-wise out)."""
-    names = [n for n, _ in mlp.named_children()]
+    names = [n for n, c in mlp.named_children() if isinstance(c, nn.Linear)]
     *ins, down = names if names != ["w1", "w2", "w3"] else ["w1", "w3", "w2"]
     plan: dict[str, Any] = {n: ColwiseParallel() for n in ins}
     plan[down] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
