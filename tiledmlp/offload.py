@@ -118,6 +118,13 @@ class _Region:
     def release_hosts(self) -> None:
         _release(self.owner, self.hosts, self.released)
 
+    def keep(self, aliased: set[int]) -> None:
+        """Stop offloading the inputs at positions ``aliased`` (an output shares their storage, so they stay
+        on the device); their host buffers go back to the pool. In place: the finalizer holds these lists."""
+        self.owner.give_back([h for k, h in enumerate(self.hosts) if k in aliased])
+        for values in (self.tensors, self.hosts, self.nbytes):
+            values[:] = [v for k, v in enumerate(values) if k not in aliased]
+
 
 def _release(owner: "HostOffload", hosts: list[torch.Tensor], released: list) -> None:
     if not released[0]:
@@ -193,18 +200,13 @@ class HostOffload:
             region = self._send(clones)
         out = checkpoint_fn(fn, *args, **kwargs)
         outs = [t for t in _tensors(out) if t.requires_grad]
-        kept = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        storages = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        region.keep({k for k, c in enumerate(clones) if c.untyped_storage().data_ptr() in storages})
         with record_function("tiledmlp::offload_free"):
-            for k, c in enumerate(clones):
-                if c.untyped_storage().data_ptr() in kept:  # an output aliases it: it must stay
-                    region.nbytes[k] = -1
-                    continue
+            for c in region.tensors:
                 if self.stream is not None:
                     c.record_stream(self.stream)
                 c.untyped_storage().resize_(0)
-        region.tensors = [t for t, n in zip(region.tensors, region.nbytes) if n >= 0]
-        region.hosts = [h for h, n in zip(region.hosts, region.nbytes) if n >= 0]
-        region.nbytes = [n for n in region.nbytes if n >= 0]
         if outs and region.tensors:
             torch.autograd.graph.register_multi_grad_hook(outs, functools.partial(_before_backward, region),
                                                           mode="any")
@@ -226,8 +228,8 @@ class HostOffload:
                 for t, h in zip(tensors, hosts):
                     h.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
         self._seq += 1
-        region = _Region(self, tensors, hosts, nbytes, seq=self._seq)
-        weakref.finalize(region, _release, self, list(hosts), region.released)
+        region = _Region(self, list(tensors), hosts, nbytes, seq=self._seq)
+        weakref.finalize(region, _release, self, region.hosts, region.released)
         self._live = [ref for ref in self._live if (r := ref()) is not None and not r.restored]
         self._live.append(weakref.ref(region))
         self.stats["regions"] += 1
