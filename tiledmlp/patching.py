@@ -145,6 +145,10 @@ class TilingState:
         path = [m for m in (ref() for ref in self.path) if m is not None]
         if not path or path[-1] is not module:
             path = [module]
+        return self.detected(path)
+
+    def detected(self, path: list[nn.Module]) -> Strategy:
+        """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""
         key = _parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
                               head=self.kind == "loss")
         if key not in self._auto:
@@ -373,13 +377,8 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
         state = module.__dict__.get(STATE_ATTR)
         if state is None:
             continue
-        if state.forced is not None:
-            yield name, module, state, state.forced.name
-        else:
-            path = module_path(model, module)
-            wrapping, tp = _parallelism_of(path, state.spec.slots, getattr(state.spec, "layout", None), name,
-                                           state.reason, head=state.kind == "loss")
-            yield name, module, state, strategy_for(wrapping, owning_units(path, wrapping), tp).name
+        strategy = state.forced if state.forced is not None else state.detected(module_path(model, module))
+        yield name, module, state, strategy.name
 
 
 def tiled_names(model: nn.Module) -> dict[str, str]:

@@ -16,7 +16,8 @@ from torch import nn
 import tiledmlp
 from tiledmlp.patching import STATE_ATTR
 
-from common import Batch, Env, Recipe, compare, count_shards, enable, registry, total_update_error, train, untiled_vs_tiled
+from common import (Batch, Env, Recipe, bf16_noise_metrics, count_shards, enable, mixed_precision_metrics, registry,
+                    untiled_vs_tiled)
 from titan import (DIM, VOCAB, BiasedMLP, FeedForward, Transformer, apply_fsdp, apply_tp, fused_glu, mlp_plan,
                    world_meshes)
 
@@ -90,20 +91,10 @@ def tp_forced_strategy(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(recipe, env)
 
 
-def _bf16_metrics(env: Env, recipe_with: Callable[..., Recipe]) -> dict[str, Any]:
-    """bf16 training judged against its own noise: both bf16 runs compared with an fp32 untiled run."""
-    reference = train(recipe_with(torch.float32), env, tiled=False)
-    recipe = recipe_with(torch.bfloat16)
-    untiled, tiled = train(recipe, env, tiled=False), train(recipe, env, tiled=True)
-    metrics = compare(untiled, tiled)
-    metrics["bf16_noise"] = total_update_error(untiled, reference)
-    metrics["tiled_error"] = total_update_error(tiled, reference)
-    return metrics
-
-
 @case
 def tp_bf16(env: Env) -> dict[str, Any]:
-    return _bf16_metrics(env, lambda dtype: titan(env, env.world, dtype=dtype))
+    """bf16 parameters under TP, judged against bf16's own noise."""
+    return bf16_noise_metrics(env, titan(env, env.world), titan(env, env.world, dtype=torch.bfloat16))
 
 
 def fsdp2_over_tp(env: Env) -> dict[str, Any]:
@@ -117,10 +108,7 @@ def fsdp2_over_tp_bf16(env: Env) -> dict[str, Any]:
     """2-D with FSDP2's bf16 mixed precision (fp32 reduction)."""
     if env.world < 4:
         raise ValueError(f"fsdp2_over_tp_bf16 needs 4 processes, got {env.world}")
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return _bf16_metrics(env, lambda dtype: titan(env, 2) if dtype == torch.float32 else titan(env, 2, mp_policy=policy))
+    return mixed_precision_metrics(env, lambda **fsdp_options: titan(env, 2, **fsdp_options))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -564,17 +564,22 @@ def untiled_vs_tiled(recipe: Recipe, env: Env) -> dict[str, Any]:
     return compare(train(recipe, env, tiled=False), train(recipe, env, tiled=True))
 
 
-def mixed_precision_metrics(env: Env, recipe_with: Callable[..., Recipe]) -> dict[str, Any]:
-    """bf16 parameters, fp32 gradient reduction (FSDP2 ``MixedPrecisionPolicy``). bf16 training differs
-    from fp32 by its own rounding noise, so the tiled run is judged against that noise: both bf16 runs
-    are compared with an fp32 untiled run (``bf16_noise``: untiled; ``tiled_error``: tiled).
-    ``recipe_with(**wrapper_options)`` builds the case's recipe."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    reference = train(recipe_with(), env, tiled=False)
-    recipe = recipe_with(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    untiled, tiled = train(recipe, env, tiled=False), train(recipe, env, tiled=True)
+def bf16_noise_metrics(env: Env, fp32: Recipe, bf16: Recipe) -> dict[str, Any]:
+    """bf16 training differs from fp32 by its own rounding noise, so the tiled bf16 run is judged against
+    that noise: both ``bf16`` runs (untiled, tiled) are compared with the untiled ``fp32`` run
+    (``bf16_noise``: untiled; ``tiled_error``: tiled)."""
+    reference = train(fp32, env, tiled=False)
+    untiled, tiled = train(bf16, env, tiled=False), train(bf16, env, tiled=True)
     metrics = compare(untiled, tiled)
     metrics["bf16_noise"] = total_update_error(untiled, reference)
     metrics["tiled_error"] = total_update_error(tiled, reference)
     return metrics
+
+
+def mixed_precision_metrics(env: Env, recipe_with: Callable[..., Recipe]) -> dict[str, Any]:
+    """:func:`bf16_noise_metrics` for bf16 parameters with fp32 gradient reduction (FSDP2
+    ``MixedPrecisionPolicy``); ``recipe_with(**wrapper_options)`` builds the case's recipe."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return bf16_noise_metrics(env, recipe_with(), recipe_with(mp_policy=policy))

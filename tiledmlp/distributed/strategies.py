@@ -225,13 +225,11 @@ class FSDP1Strategy(Strategy):
     wrapping = Wrapping.FSDP1
 
 
-class NoSyncStrategy(Strategy):
-    """Gradient accumulation under ``no_sync`` for whichever syncing wrapper the model has."""
+class _Layered(Strategy):
+    """A strategy layered over another one, ``inner``: every hook is ``inner``'s unless overridden."""
 
-    name = "no_sync"
-
-    def __init__(self, inner: Strategy) -> None:
-        super().__init__(inner.units, inner.tp_mesh)
+    def __init__(self, inner: Strategy, tp_mesh: Any = None) -> None:
+        super().__init__(inner.units, inner.tp_mesh if tp_mesh is None else tp_mesh)
         self.inner = inner
 
     def forward_context(self, module: nn.Module):
@@ -240,6 +238,10 @@ class NoSyncStrategy(Strategy):
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
         self.inner.check_params(module_name, params)
 
+    def localize(self, module_name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
+                 layout: Optional[MLPLayout]) -> Localized:
+        return self.inner.localize(module_name, x, params, layout)
+
     def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
         return self.inner.backward_context(params)
 
@@ -247,7 +249,13 @@ class NoSyncStrategy(Strategy):
         return self.inner.hold_gathered(module)
 
 
-class TPStrategy(Strategy):
+class NoSyncStrategy(_Layered):
+    """Gradient accumulation under ``no_sync`` for whichever syncing wrapper the model has."""
+
+    name = "no_sync"
+
+
+class TPStrategy(_Layered):
     """Tensor parallel over the data-parallel strategy ``inner`` (``plain`` when TP stands alone).
 
     The data-parallel part (FSDP2's unshard/reshard, DDP's once-per-backward gradients) is ``inner``'s;
@@ -259,16 +267,9 @@ class TPStrategy(Strategy):
     name = "tp"
 
     def __init__(self, inner: Strategy, plan: TPPlan) -> None:
-        super().__init__(inner.units, plan.mesh)
-        self.inner, self.plan = inner, plan
+        super().__init__(inner, plan.mesh)
+        self.plan = plan
         self.name = "tp" if isinstance(inner, PlainStrategy) else f"{inner.name}+tp"
-        self.wrapping = inner.wrapping
-
-    def forward_context(self, module: nn.Module):
-        return self.inner.forward_context(module)
-
-    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
-        self.inner.check_params(module_name, params)
 
     def localize(self, module_name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
                  layout: Optional[MLPLayout]) -> Localized:
@@ -279,12 +280,6 @@ class TPStrategy(Strategy):
                 "generic form would run the sharded projections, and their collectives, once per shard. Call "
                 "it with the hidden states only, without hooks on its children, or leave it untiled.")
         return localize(self.plan, module_name, x, params, layout)
-
-    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
-        return self.inner.backward_context(params)
-
-    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
-        return self.inner.hold_gathered(module)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {

@@ -142,7 +142,9 @@ def glu_backward_(grad_h: Tensor, gate: Tensor, up: Tensor, activation: str, *, 
 # --------------------------------------------------------------------------- Triton launch
 
 
-def _launch(kernel, tensors: tuple[Tensor, Tensor, Tensor], activation: str) -> None:
+def _launch(kernel, tensors: tuple[Tensor, ...], activation: str) -> None:
+    """One program per row and ``BLOCK_N`` columns of ``tensors`` (same shape; their row strides follow the
+    tensors in the kernel's signature). Shared by the GLU and plain-MLP activation kernels."""
     rows, cols = tensors[0].shape
     block_n = min(_MAX_BLOCK_N, triton.next_power_of_2(cols))
     # Rows go on grid axis 0, the only axis allowed more than 65535 programs.

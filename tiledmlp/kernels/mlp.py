@@ -16,27 +16,21 @@ row stride; float32/float16/bfloat16, float64 on the torch backend; float32 math
 per result). Activations: :data:`tiledmlp.kernels.ACTIVATIONS`.
 """
 
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from tiledmlp.kernels.glu import (_activation_and_grad_torch, _activation_torch, _check_activation, _check_distinct,
-                                  _check_no_row_overlap, _check_tensors, _compute, _output_like, Backend,
+                                  _check_no_row_overlap, _check_tensors, _compute, _launch, _output_like, Backend,
                                   resolve_backend)
 
 try:
-    import triton
-
     from tiledmlp.kernels import mlp_triton
 except ImportError:  # Triton is optional: the torch reference still works.
-    triton = None
     mlp_triton = None
 
 __all__ = ["mlp_backward_", "mlp_forward"]
-
-_MAX_BLOCK_N = 1024
 
 
 def mlp_forward(u: Tensor, activation: str, out: Optional[Tensor] = None, *, backend: Backend = "auto") -> Tensor:
@@ -83,18 +77,3 @@ def mlp_backward_(grad_h: Tensor, u: Tensor, activation: str, *, backend: Backen
         d_u = _compute(grad_h) * act_grad
         grad_h.copy_(act)
         u.copy_(d_u)
-
-
-def _launch(kernel, tensors: tuple[Tensor, Tensor], activation: str) -> None:
-    rows, cols = tensors[0].shape
-    block_n = min(_MAX_BLOCK_N, triton.next_power_of_2(cols))
-    grid = (rows, triton.cdiv(cols, block_n))  # rows on axis 0, the only one allowed > 65535 programs
-    with torch.cuda.device(tensors[0].device) if tensors[0].is_cuda else nullcontext():
-        kernel[grid](
-            *tensors,
-            cols,
-            *(t.stride(0) for t in tensors),
-            ACTIVATION=activation,
-            BLOCK_N=block_n,
-            num_warps=max(1, min(4, block_n // 256)),
-        )
