@@ -305,6 +305,11 @@ def _structural_glu(module: nn.Module, where: dict[tuple[int, str], int]) -> Opt
     return MLPLayout(activation, _proj(lins[1], where), _proj(lins[2], where), gate=_proj(lins[0], where))
 
 
+def _hooks_reason(hooked: Sequence[str]) -> str:
+    return (f"hooks are registered on {', '.join(hooked)}; the fast forms do not call the children, so they would "
+            "skip them. The generic form calls them (per shard)")
+
+
 def _named_mlp(children: dict[str, nn.Module]) -> bool:
     return any(all(n in children for n in names) for names in MLP_NAMES)
 
@@ -345,14 +350,13 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
         return Recognized("generic", tuple(slots), reason="form='generic' was asked for")
     params = [s.get() for s in slots]
     unavailable = _probe_unavailable(module, params, linears) if params else "it has no parameters"
+    hooked = hooked_children(module)
     if unavailable:
         if not named:
             return None  # not provably an MLP (nor per-token) without the probe
         layout = _structural_glu(module, where)
-        if layout is not None and hooked_children(module):
-            return Recognized("generic", tuple(slots), warn=True, reason=(
-                f"hooks are registered on {', '.join(hooked_children(module))}; the fast forms do not call the "
-                "children, so they would skip them. The generic form calls them (per shard)"))
+        if layout is not None and hooked:
+            return Recognized("generic", tuple(slots), reason=_hooks_reason(hooked), warn=True)
         if layout is not None:
             return Recognized(layout.form, tuple(slots), layout,
                               computes=f"Hugging Face GLU ({layout.activation}), by structure: the probe could not run "
@@ -381,10 +385,8 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
 
     if not fast:
         return generic("form='generic' was asked for", warn=False)
-    hooked = hooked_children(module)
     if hooked:
-        return generic(f"hooks are registered on {', '.join(hooked)}; the fast forms do not call the children, so "
-                       "they would skip them. The generic form calls them (per shard)")
+        return generic(_hooks_reason(hooked))
     wrapped = sorted({f"{lin.name}: {lin.wrapper}" for lin in linears if lin.wrapper})
     if wrapped:
         return generic(f"its projections are wrapped ({'; '.join(wrapped)}); the fast forms compute plain "
