@@ -124,7 +124,13 @@ class GradAccumulator:
     def _region(self, key: _Key) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The accumulator block of ``key`` and its exponents (block-scaled only)."""
         i, rows, cols = key[0], slice(key[1], key[2]), slice(key[3], key[4])
-        acc, exps = self._sums[i][rows], self._exps[i]
+        exps = self._exps[i]
+        shape = self._params[i].shape
+        if exps is not None and len(shape) > 2 and rows != slice(None):
+            # ``rows`` index the leading dim (a MoE layer's experts); the block-scaled sum is kept 2-D
+            per = math.prod(shape[1:-1])
+            rows = slice(rows.start * per, rows.stop * per)
+        acc = self._sums[i][rows]
         if cols == slice(None):
             return acc, None if exps is None else exps[rows]
         if exps is None:
@@ -151,8 +157,8 @@ class GradAccumulator:
         if self._sums[i] is None:
             p = self._params[i]
             if self._scaled[i]:  # kept 2-D: [all leading dims, last dim] (3-D MoE expert weights too)
-                if p.dim() > 2 and (rows != slice(None) or cols != slice(None)):
-                    raise NotImplementedError("blocks of a block-scaled accumulator need a 2-D parameter")
+                if p.dim() > 2 and cols != slice(None):
+                    raise NotImplementedError("column blocks of a block-scaled accumulator need a 2-D parameter")
                 self._sums[i], self._exps[i] = scaled_empty(math.prod(p.shape[:-1]), p.shape[-1], device=p.device)
             else:
                 self._sums[i] = torch.empty(p.shape, dtype=self._dtypes[i], device=p.device)
@@ -162,7 +168,8 @@ class GradAccumulator:
         return (*self._region(key), adds == 1, last)
 
     def add(self, i: int, grad: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
-        """Add a shard's gradient ``grad`` for parameter ``i`` (or for its leading-dim block ``rows``)."""
+        """Add a shard's gradient ``grad`` for parameter ``i`` (or for its leading-dim block ``rows``: for a
+        3-D MoE expert weight, a range of experts)."""
         if grad is None:
             return
         block, exps, first, last = self._block(i, rows, slice(None))
@@ -176,8 +183,11 @@ class GradAccumulator:
     def addmm(self, i: int, a: torch.Tensor, b: torch.Tensor, rows: slice = slice(None),
               cols: slice = slice(None)) -> None:
         """``grad_i[rows, cols] += a @ b`` in place (a column block of a block-scaled accumulator
-        starts and ends on its exponent blocks: multiples of ``BLOCK`` columns, or the last column)."""
+        starts and ends on its exponent blocks: multiples of ``BLOCK`` columns, or the last column). For a
+        3-D parameter ``rows`` selects one expert: ``grad_i[e] += a @ b``."""
         block, exps, first, last = self._block(i, rows, cols)
+        if block.dim() > 2:  # one expert of a 3-D weight: a contiguous [1, out, in] slab
+            block = block.view(-1, block.shape[-1])
         if exps is None:
             (mm_into if first else addmm_)(block, a, b)
             return

@@ -2,13 +2,13 @@
 ``enable_tiling``.
 
 ``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``,
-``"mlp"``: the fast forms; ``"generic"``: the module's own forward, recomputed; ``"moe"``;
-``"loss"``: the tiled LM head + cross-entropy), why it is generic when it is, which strategy
+``"mlp"``: the fast forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's
+own forward, recomputed (also a whole MoE block whose experts the MoE form cannot compute); ``"loss"``: the tiled LM head + cross-entropy), why it is generic when it is, which strategy
 serves it under the model's current wrapping, and how a call of ``seq_len`` tokens would be cut
 (shards, tokens per shard, intermediate blocks) with the scratch that costs. Scratch is what the
 shard policy sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and
-one ``dh`` block per backward shard), the loss's scratch budget; for the generic and MoE forms it
-depends on the module's own forward and is not estimated.
+one ``dh`` block per backward shard), the MoE form's rows (at the model config's top-k), the loss's
+scratch budget; for the generic form it depends on the module's own forward and is not estimated.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .offload import offloaded_layers
 from .patching import TilingState, tiled_states
-from .sharding import ShardPolicy, loss_budget_bytes, loss_tile, mlp_scratch_per_token
+from .moe_form import ExpertsLayout
+from .sharding import ShardPolicy, loss_budget_bytes, loss_tile, mlp_scratch_per_token, moe_scratch_per_token
 
 __all__ = ["TileInfo", "Description", "describe", "log_summary", "DEFAULT_DESCRIBE_TOKENS"]
 
@@ -130,7 +131,9 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     if tokens is None or params is None:
         return TileInfo(**base)
     layout = spec.layout
-    if layout is None:  # generic / MoE: the anchors' rule, scratch depends on the module's forward
+    if isinstance(layout, ExpertsLayout):
+        return _moe_info(base, state, params, tokens)
+    if layout is None:  # generic: the anchors' rule, scratch depends on the module's forward
         hidden = next((p.shape[-1] for p in params if p.dim() == 2), None)  # None for 1-D shards
         if hidden is None:
             return TileInfo(**base)
@@ -151,6 +154,19 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
                   forward_rows * (2 if layout.gated else 1) * inter * itemsize)
     return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,
                     scratch_bytes=scratch)
+
+
+def _moe_info(base: dict, state: TilingState, params: list[torch.Tensor], tokens: int) -> TileInfo:
+    """Shards of the MoE form at the top-k of the experts' config (transformers'), if it says."""
+    top_k = getattr(getattr(state.spec.slots[0].owner, "config", None), "num_experts_per_tok", None)
+    layout = state.spec.layout.remap(list(range(len(params))))
+    if not isinstance(top_k, int) or any(p.dim() != 3 for p in (params[layout.up], params[layout.down])):
+        return TileInfo(**base)  # no top-k to size by, or sharded weights
+    hidden = layout.w_up(params).shape[1]
+    itemsize = params[layout.up].element_size()
+    per_token = moe_scratch_per_token(hidden, layout.inter(params), layout.up_width(params), top_k, itemsize)
+    rows = state.spec.policy.moe_rows(tokens, per_token)
+    return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, scratch_bytes=rows * per_token)
 
 
 def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -> TileInfo:

@@ -151,8 +151,13 @@ class Form(Protocol):
         dx_out: Optional[torch.Tensor],
         grads: "GradAccumulator",
         side: Sequence[torch.Tensor] = (),
+        dside_out: Sequence[Optional[torch.Tensor]] = (),
     ) -> None:
-        """Recompute one shard; write its input gradient into ``dx_out`` and add weight grads to ``grads``."""
+        """Recompute one shard; write its input gradient into ``dx_out`` and add weight grads to ``grads``.
+
+        ``dside_out`` (given only to a call with token inputs, ``run_tiled(..., token_inputs=...)``)
+        holds, per token input, the rows its gradient goes to (None: it needs none); ``side`` then
+        starts with those inputs' rows."""
 
 
 @dataclass
@@ -165,7 +170,8 @@ class TileCall:
     ``forward_rows`` (default ``shard_rows``) cuts the forward differently from the backward; only a
     deterministic form may use it (a stochastic form's backward replays the forward's shards).
     ``side`` are token-aligned tensors that need no gradient (a loss's labels, per-token state a form
-    keeps from forward to backward), cut into the same rows as ``x``. ``partial_mib`` bounds the
+    keeps from forward to backward), cut into the same rows as ``x``; a form sees them after the call's
+    token inputs (``run_tiled``'s ``token_inputs``, which may need gradients). ``partial_mib`` bounds the
     accumulators' partial-gradient buffer (``GradAccumulator``).
     """
 
@@ -229,7 +235,7 @@ class AutocastReplay:
 
 
 def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
-                    dx: Optional[torch.Tensor] = None,
+                    token_inputs: Sequence[torch.Tensor] = (), dx: Optional[torch.Tensor] = None,
                     grads: Optional[GradAccumulator] = None) -> tuple[Optional[torch.Tensor], ...]:
     """Run every shard and write its outputs into buffers allocated once, at the first shard.
 
@@ -243,7 +249,7 @@ def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
     for idx, (start, stop) in enumerate(_shard_bounds(rows, call.forward_rows or call.shard_rows)):
         # The first shard's outputs size the buffers; later shards may be computed straight into them.
         dests = None if idx == 0 else tuple(None if v is None else v[start:stop] for v in rows_view)
-        side = tuple(t[start:stop] for t in call.side)
+        side = tuple(t[start:stop] for t in (*token_inputs, *call.side))
         in_forward = {} if grads is None else {"dx_out": None if dx is None else dx[start:stop], "grads": grads}
         with record_function("tiledmlp::forward_shard"), _shard_scope():
             outs = call.form.forward_shard(x[start:stop], params, dests, side, **in_forward)
@@ -277,11 +283,15 @@ class TiledMLPFunction(torch.autograd.Function):
 
     Inputs: a :class:`TileCall`, the token matrix ``x`` (``[tokens, hidden]``, contiguous), the
     :class:`_InputKeeper` node that saved ``x`` (None when ``x`` needs no grad: then this node saves
-    it) and every parameter tensor the form reads (trainable or frozen; frozen ones get ``None``).
+    it), the number ``n`` of token inputs, then the ``n`` token inputs (token-aligned tensors beside
+    ``x``, e.g. a MoE layer's routing weights, saved here: they are small) and every parameter tensor
+    the form reads (trainable or frozen; frozen ones get ``None``).
     """
 
     @staticmethod
-    def forward(ctx, call: TileCall, x: torch.Tensor, keeper: Optional[Any], *params: torch.Tensor):
+    def forward(ctx, call: TileCall, x: torch.Tensor, keeper: Optional[Any], n: int, *tensors: torch.Tensor):
+        token_inputs, params = tensors[:n], tensors[n:]
+        ctx.n = n
         ctx.call = call
         ctx.params = params  # by reference, deliberately not saved (see the module's design note)
         ctx.rng = _RngReplay(x.device) if call.form.stochastic else None
@@ -289,18 +299,19 @@ class TiledMLPFunction(torch.autograd.Function):
         ctx.keeper = keeper
         ctx.forward_grads = None
         if call.form.grads_in_forward:  # see "gradients finished in forward": nothing to keep but them
+            if n:
+                raise ValueError("a form that finishes its gradients in forward takes no token inputs")
             needs_x = ctx.needs_input_grad[1]
-            grads = call.accumulator(params, ctx.needs_input_grad[3:], x.shape[0])
+            grads = call.accumulator(params, ctx.needs_input_grad[4:], x.shape[0])
             dx = torch.empty_like(x) if needs_x else None
             with record_function("tiledmlp::forward"):
-                outs = _forward_shards(call, x, params, dx, grads)
+                outs = _forward_shards(call, x, params, (), dx, grads)
             ctx.forward_grads = [dx, *grads.results()]
             ctx.call = ctx.params = None  # backward needs neither: release the form's scratch and side inputs
         else:
-            if keeper is None:
-                ctx.save_for_backward(x)
+            ctx.save_for_backward(*token_inputs, *((x,) if keeper is None else ()))
             with record_function("tiledmlp::forward"):
-                outs = _forward_shards(call, x, params)
+                outs = _forward_shards(call, x, params, token_inputs)
         # How backward sees each output gradient: [tokens, ...], like the form's shard outputs.
         ctx.rows_shapes = [None if o is None else (x.shape[0], *o.shape[len(call.lead_shape) if leading else 1:])
                            for o, leading in zip(outs, call.form.leading_outputs)]
@@ -314,26 +325,32 @@ class TiledMLPFunction(torch.autograd.Function):
         call: Optional[TileCall] = ctx.call
         if call is None:  # the gradients were finished in forward
             dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
-            return (None, dx, None, *param_grads)
-        (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else ctx.saved_tensors
+            return (None, dx, None, None, *param_grads)
+        n, saved = ctx.n, ctx.saved_tensors
+        token_inputs = saved[:n]
+        (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else saved[n:]
         params = ctx.params
         needs_x = ctx.needs_input_grad[1]
         bounds = _shard_bounds(x.shape[0], call.shard_rows)
-        grads = call.accumulator(params, ctx.needs_input_grad[3:], x.shape[0])
+        grads = call.accumulator(params, ctx.needs_input_grad[4 + n:], x.shape[0])
         dx = torch.empty_like(x) if needs_x else None
+        d_inputs = [torch.empty_like(t) if need else None for t, need in zip(token_inputs, ctx.needs_input_grad[4:])]
         grad_outputs = [None if g is None else g.reshape(shape) for g, shape in zip(grad_outputs, ctx.rows_shapes)]
         if all(g is None for g in grad_outputs):  # no output was used: nothing to recompute
-            return (None, None if dx is None else dx.zero_(), None, *grads.results())
+            zeros = [None if t is None else t.zero_() for t in (dx, *d_inputs)]
+            return (None, zeros[0], None, None, *zeros[1:], *grads.results())
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
             for start, stop in bounds:
                 shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
-                side = tuple(t[start:stop] for t in call.side)
+                side = tuple(t[start:stop] for t in (*token_inputs, *call.side))
+                extra = {"dside_out": [None if d is None else d[start:stop] for d in d_inputs]} if n else {}
                 with record_function("tiledmlp::backward_shard"), _shard_scope():
                     call.form.backward_shard(
-                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side
+                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side,
+                        **extra
                     )
-        return (None, dx, None, *grads.results())
+        return (None, dx, None, None, *d_inputs, *grads.results())
 
 
 def _hand_out_forward_grads(ctx, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
@@ -364,19 +381,28 @@ def _hand_out_forward_grads(ctx, grad_outputs: Sequence[Optional[torch.Tensor]])
     return grads
 
 
-def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
+              token_inputs: Sequence[torch.Tensor] = ()) -> tuple[Optional[torch.Tensor], ...]:
     """Compute ``call.form`` over the token matrix ``x`` in shards of ``call.shard_rows`` tokens.
 
-    Builds the autograd node only when something needs a gradient; under ``torch.no_grad()`` (or with
-    nothing trainable) the shards run without any graph, so inference gets the same memory savings.
+    ``token_inputs``: tensors whose first dim is ``x``'s tokens, cut into the same rows and differentiated
+    like ``x`` (a MoE layer's routing indices and weights: the weights' gradient reaches the router). Builds
+    the autograd node only when something needs a gradient; under ``torch.no_grad()`` (or with nothing
+    trainable) the shards run without any graph, so inference gets the same memory savings.
     """
     _refuse_functorch()
     if not x.is_contiguous():
         x = x.contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+    for t in token_inputs:
+        if t.shape[:1] != x.shape[:1]:
+            raise ValueError(f"a token input of shape {tuple(t.shape)} does not have the input's {x.shape[0]} tokens "
+                             "as its first dim")
+    tensors = (*token_inputs, *params)
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors)):
+        n = len(token_inputs)
         if x.requires_grad and not call.form.grads_in_forward:
             x = _InputKeeper.apply(x)
-            return TiledMLPFunction.apply(call, x, x.grad_fn, *params)
-        return TiledMLPFunction.apply(call, x, None, *params)
+            return TiledMLPFunction.apply(call, x, x.grad_fn, n, *tensors)
+        return TiledMLPFunction.apply(call, x, None, n, *tensors)
     with torch.no_grad():
-        return _forward_shards(call, x, params)
+        return _forward_shards(call, x, params, token_inputs)

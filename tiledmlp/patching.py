@@ -8,7 +8,11 @@ Recognized (outermost match wins, so experts inside a tiled MoE block are not ti
   form (``"glu"`` or ``"mlp"``, ``tiledmlp.mlp_form``), whatever its children are called; one
   that is per-token but computes something else (LoRA adapters, dropout, a residual inside) gets
   the generic form, with the reason recorded and logged.
-* MoE blocks: a ``experts`` submodule next to a ``gate`` or ``router`` submodule (Mixtral, Qwen-MoE).
+* MoE layers: an experts module (two 3-D expert weights, ``forward(hidden, top_k_index, top_k_weights)``)
+  that the probe identifies (``tiledmlp.recognize_moe``) gets the MoE form: only the experts call is
+  tiled, its block (router, shared expert) runs as usual and a shared expert is recognized on its own.
+  A MoE block (an ``experts`` submodule next to a ``gate`` or ``router``) whose experts the form cannot
+  compute is tiled whole with the generic form, with the reason recorded and logged.
 * Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
 * With ``loss=True``, the LM head of every Hugging Face causal LM (``heads.py``): the tiled loss.
 
@@ -37,6 +41,7 @@ from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForwa
 from .hooks import hooked_children
 from .logs import warn_once
 from .recognize import Recognized, recognize_mlp
+from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
 from .sharding import ShardPolicy
 
@@ -111,8 +116,26 @@ def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe
     if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
         return Recognized("generic", tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
     if _is_moe(module):
-        return Recognized("moe" if include_moe else "excluded", tuple(slots))
-    return recognize_mlp(module, _original_forward(module), slots, fast=form == "auto")
+        if not include_moe:
+            return Recognized("excluded", tuple(slots))
+        experts = module.experts
+        if form == "auto" and experts_interface(experts, _original_forward(experts)):
+            rec = recognize_experts(experts, _original_forward(experts), param_slots(experts))
+            if rec.kind == "moe":
+                return None  # the block runs as is; its experts (and a shared expert) are recognized below
+            reason = f"its experts ({type(experts).__name__}) cannot take the MoE form: {rec.reason}"
+        elif form == "auto":
+            reason = (f"its experts ({type(experts).__name__}) do not have the experts interface (two 3-D expert "
+                      "weights, forward(hidden_states, top_k_index, top_k_weights))")
+        else:
+            reason = "form='generic' was asked for"
+        return Recognized("generic", tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
+                          "is recomputed per shard", warn=form == "auto", moe_block=True)
+    forward = _original_forward(module)
+    if form == "auto" and experts_interface(module, forward):
+        rec = recognize_experts(module, forward, slots)
+        return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
+    return recognize_mlp(module, forward, slots, fast=form == "auto")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +160,8 @@ class TilingState:
     reason: str = ""  # why a module that looks like an MLP got the generic form
     warn: bool = False  # whether that reason is worth a warning (not for a form the user asked for)
     computes: str = ""  # what a fast form computes, in the module's own names
+    # The MoE form's token inputs beside the hidden states: the routing indices' and weights' names
+    token_input_names: tuple = ()
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:
@@ -217,6 +242,8 @@ class TiledForward:
 def _tiled_forward(module: nn.Module, *args, **kwargs):
     state: TilingState = module.__dict__[STATE_ATTR]
     original = _original_forward(module)
+    if state.kind == "moe":
+        return _tiled_experts(module, state, original, args, kwargs)
     x, rebuild = _split_input(state, args, kwargs)
     if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
         return original(*args, **kwargs)
@@ -250,15 +277,36 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
 
 
+def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple, kwargs: dict):
+    """An experts module's call: ``(hidden_states, top_k_index, top_k_weights)``, the routing tiled with the
+    hidden states as token inputs. Runs the module's own forward where tiling cannot help (inside a shard,
+    one shard of inference) or would skip code (hooks on its children)."""
+    names = (state.input_name, *state.token_input_names)
+    values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+    rest = list(args[3:]) + [v for k, v in kwargs.items() if k not in names]
+    x, index, weights = values
+    if (in_shard() or not all(isinstance(t, torch.Tensor) for t in values) or x.numel() == 0 or _has_tensor(rest)
+            or index.shape[:-1] != x.shape[:-1] or weights.shape != index.shape):
+        return original(*args, **kwargs)
+    tokens = x.numel() // x.shape[-1]
+    if not torch.is_grad_enabled() and state.spec.policy.one_shard(tokens, x.shape[-1], True):
+        return original(*args, **kwargs)
+    hooked = hooked_children(module)
+    if hooked:
+        warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "
+                  "call the children, so these calls run the experts untiled", state.spec.name, ", ".join(hooked))
+        return original(*args, **kwargs)
+    return state.spec(state.strategy(module), module, None, x, token_inputs=(index, weights))
+
+
 
 # ----------------------------------------------------------------------------------------------
 # Install / uninstall
 
 
-def _input_name(forward) -> str:
-    params = [p for p in inspect.signature(forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return params[0].name if params else "hidden_states"
+def _input_names(forward) -> list[str]:
+    return [p.name for p in inspect.signature(forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
@@ -302,9 +350,11 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.kind == "moe", grad_accum_dtype=grad_accum_dtype)
-        states[name] = TilingState(spec, rec.kind, _input_name(_original_forward(module)), _saved_forward(module),
-                                   forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes)
+                             is_moe=rec.moe_block, grad_accum_dtype=grad_accum_dtype)
+        names = _input_names(_original_forward(module))
+        states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
+                                   forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
+                                   token_input_names=tuple(names[1:3]) if rec.kind == "moe" else ())
     if loss is not None:
         states.update(_plan_heads(model, strategy, loss))
     return states

@@ -77,12 +77,13 @@ class Recognized:
     (over slot indices). ``reason``: why a module that looks like an MLP got the generic form;
     ``warn``: whether that deserves a warning (not for a generic form the user asked for)."""
 
-    kind: str  # "glu", "mlp" (fast forms), "generic", "moe"
+    kind: str  # "glu", "mlp", "moe" (fast forms), "generic"
     slots: tuple[Slot, ...]
-    layout: Optional[MLPLayout] = None
+    layout: Optional[Any] = None  # an MLPLayout, or an ExpertsLayout for "moe"
     reason: str = ""
     warn: bool = False
     computes: str = ""  # what the fast form computes, in the children's names
+    moe_block: bool = False  # a whole MoE block on the generic form (its router runs per shard)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from torch.profiler import record_function
 from .distributed.strategies import Strategy
 from .forms import ModuleForm, Slot
 from .mlp_form import MLPForm, MLPLayout
+from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
 from .function import TileCall, run_tiled
-from .sharding import ShardPolicy
+from .sharding import ShardPolicy, moe_scratch_per_token
 
 __all__ = ["TiledCallSpec", "dedupe"]
 
@@ -66,13 +67,14 @@ class TiledCallSpec:
     name: str
     slots: tuple[Slot, ...]
     policy: ShardPolicy
-    layout: Optional[MLPLayout] = None  # the fast form's layout over slot indices; None: generic
-    is_moe: bool = False
+    layout: Optional[MLPLayout | ExpertsLayout] = None  # the fast form's layout over slot indices; None: generic
+    is_moe: bool = False  # a whole MoE block on the generic form
     grad_accum_dtype: Optional[torch.dtype] = None
 
-    def __call__(self, strategy: Strategy, module: nn.Module, forward: Callable[[torch.Tensor], Any],
-                 x: torch.Tensor, fast_allowed: bool = True):
-        """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form)."""
+    def __call__(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
+                 x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
+        """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form). ``token_inputs``:
+        a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens)."""
         hidden = x.shape[-1]
         with record_function("tiledmlp::call"), strategy.forward_context(module):
             tensors, index = dedupe([slot.get() for slot in self.slots])
@@ -84,7 +86,15 @@ class TiledCallSpec:
             x, tensors, lay = local.x, local.params, local.layout
             tokens = x.numel() // hidden
             accum = self.grad_accum_dtype
-            if lay is not None:
+            if isinstance(lay, ExpertsLayout):
+                k = token_inputs[0].shape[-1]
+                token_inputs = tuple(t.reshape(tokens, k) for t in token_inputs)
+                itemsize = _compute_itemsize(x, tensors[lay.up])
+                per_token = moe_scratch_per_token(hidden, lay.inter(tensors), lay.up_width(tensors), k, itemsize)
+                shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
+                gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
+                form = MoEForm(lay, gate_fn)
+            elif lay is not None:
                 inter = lay.inter(tensors)
                 itemsize = _compute_itemsize(x, tensors[lay.down.weight])
                 shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
@@ -103,7 +113,7 @@ class TiledCallSpec:
                 around_backward=strategy.backward_context(tensors),
                 grad_accum_dtype=accum,
             )
-            outs = run_tiled(call, x.reshape(-1, hidden), tensors)
+            outs = run_tiled(call, x.reshape(-1, hidden), tensors, token_inputs)
             return outs if form.returned_tuple else local.finish(outs[0])
 
 

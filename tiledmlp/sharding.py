@@ -14,6 +14,8 @@ fast GLU / MLP form    backward: for one and for two intermediate blocks, the la
                        1024 tokens the intermediate dimension is split further instead. Shards are
                        made equal-sized. Forward: equal parts of a backward shard whose gate and up
                        rows fit the same budget.
+MoE form (experts)     the largest shard up to 16384 tokens whose backward scratch
+                       (``moe_scratch_per_token``: ``k`` rows per token) fits ``scratch_mib``; equal shards
 generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 ``num_shards=N``       ``ceil(tokens / N)`` tokens
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
@@ -36,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token",
+__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token", "moe_scratch_per_token",
            "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
            "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
 
@@ -87,6 +89,15 @@ def mlp_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1, gate
     width = max(stop - start for start, stop in chunk_bounds(inter, inter_chunks))
     dh_width = max(stop - start for start, stop in dh_blocks(width))
     return ((2 if gated else 1) * width + dh_width) * itemsize
+
+
+def moe_scratch_per_token(hidden: int, inter: int, up_width: int, top_k: int, itemsize: int) -> int:
+    """Bytes of MoE-form scratch per token (``moe_form``): per row (``top_k`` per token) in backward the
+    gathered input and output gradient, the up projection's output (``up_width``, its own gradient in
+    place), the activation's gradient and the activation, the input-gradient rows and their unsorted
+    copy (``4 * hidden + up_width + 2 * inter`` elements; forward needs less), plus a float32 row of the
+    per-token sum."""
+    return top_k * (4 * hidden + up_width + 2 * inter) * itemsize + 4 * hidden
 
 
 def auto_num_shards(tokens: int, hidden: int) -> int:
@@ -182,6 +193,15 @@ class ShardPolicy:
             while chunks < inter and rows * mlp_scratch_per_token(inter, itemsize, chunks, gated) > budget:
                 chunks += 1
         return rows, chunks
+
+    def moe_rows(self, tokens: int, bytes_per_token: int) -> int:
+        """Tokens per shard of the MoE form (``moe_scratch_per_token``): a fixed cut, or the largest equal
+        shards up to ``MAX_AUTO_TILE`` tokens whose scratch fits the budget."""
+        tokens = max(tokens, 1)
+        fixed = self._fixed_rows(tokens)
+        if fixed is not None:
+            return fixed
+        return _equalize(tokens, max(1, min(MAX_AUTO_TILE, int(self._budget_bytes() // bytes_per_token))))
 
     def mlp_forward_rows(self, inter: int, itemsize: int, backward_rows: int, gated: bool = True) -> int:
         """Tokens per forward shard of the fast forms: the backward's ``backward_rows``, or fewer when

@@ -1,7 +1,9 @@
-"""Hugging Face cases, run by ``worker.py``: a Llama (GLU fast form), a Mixtral (MoE block with fused
-3-D expert weights, generic form) and a PEFT-LoRA Llama (LoRA projections, generic form), each built
-from a tiny config in code with random weights, under DDP, FSDP2 and FSDP1; and a checkpointed Llama
-with its layer inputs offloaded to host memory (``offload="cpu"``) under DDP and FSDP2.
+"""Hugging Face cases, run by ``worker.py``: a Llama (GLU fast form), MoE models (Mixtral, and a Qwen2-MoE
+with a shared expert and the router's auxiliary loss: the experts take the MoE form, the shared expert the
+GLU form) and a PEFT-LoRA Llama (LoRA projections, generic form), each built from a tiny config in code
+with random weights, under DDP (also no_sync accumulation), FSDP2 (layer units, and the experts as units
+of their own) and FSDP1; and a checkpointed Llama with its layer inputs offloaded to host memory
+(``offload="cpu"``) under DDP and FSDP2.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from typing import Any, Callable
 
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralExperts
 
 from cases_ddp import ddp
 from cases_fsdp1 import fsdp1
 from cases_fsdp2 import fsdp2
-from common import Batch, Env, Recipe, enable, hf_batches, registry, untiled_vs_tiled
+from common import Batch, Env, Recipe, ddp_sync, enable, hf_batches, registry, untiled_vs_tiled
 
 CASES, case = registry()
 VOCAB = 96
@@ -33,6 +38,16 @@ def llama() -> nn.Module:
 def mixtral() -> nn.Module:
     return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                                             router_jitter_noise=0.0, output_router_logits=False, **_SHAPE))
+
+
+def qwen2_moe() -> nn.Module:
+    """Shared expert (dense GLU) beside 4 routed experts; output_router_logits: the auxiliary loss trains
+    the router through the routing weights' gradient (the MoE form's token input)."""
+    config = Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                            output_router_logits=True, router_aux_loss_coef=0.1, **_SHAPE)
+    config._experts_implementation = "grouped_mm"
+    return Qwen2MoeForCausalLM(config)
 
 
 def lora_llama() -> nn.Module:
@@ -71,6 +86,45 @@ def hf_mixtral_ddp(env: Env) -> dict[str, Any]:
 @case
 def hf_mixtral_fsdp2(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, mixtral, fsdp2(env, MixtralDecoderLayer)), env)
+
+
+@case
+def hf_mixtral_fsdp1_tile_before_wrap(env: Env) -> dict[str, Any]:
+    """FSDP1's flat-parameter views cannot be probed: tiled before wrapping, the experts keep the MoE form."""
+    recipe = _recipe(env, mixtral, fsdp1(env, MixtralDecoderLayer, use_orig_params=False), tile_before_wrap=True)
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
+def hf_qwen2_moe_ddp_aux_loss(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, qwen2_moe, ddp(env)), env)
+
+
+@case
+def hf_qwen2_moe_ddp_no_sync(env: Env) -> dict[str, Any]:
+    """Gradient accumulation over 2 micro-batches (DDP's no_sync on the first)."""
+    recipe = Recipe(build=qwen2_moe, batches=hf_batches(env, VOCAB, micro=2), wrap=ddp(env), loss_of=hf_loss,
+                    sync=ddp_sync)
+    return untiled_vs_tiled(recipe, env)
+
+
+def _experts_and_layer_units(env: Env) -> Callable[[nn.Module], nn.Module]:
+    """fully_shard every experts module (a unit of its own), then every decoder layer, then the root."""
+    mesh = init_device_mesh(env.device.type, (env.world,))
+
+    def wrap(model: nn.Module) -> nn.Module:
+        for unit in (MixtralExperts, MixtralDecoderLayer):
+            for m in [m for m in model.modules() if isinstance(m, unit)]:
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return wrap
+
+
+@case
+def hf_mixtral_fsdp2_expert_units(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, mixtral, _experts_and_layer_units(env)), env)
 
 
 def checkpointed_llama() -> nn.Module:

@@ -1,5 +1,5 @@
-"""Hugging Face models under torchrun (cases in ``cases_hf.py``): Llama, Mixtral (MoE), PEFT-LoRA, and a
-checkpointed Llama with host offload."""
+"""Hugging Face models under torchrun (cases in ``cases_hf.py``): Llama, MoE models (Mixtral, Qwen2-MoE with a
+shared expert and the auxiliary loss; the MoE form), PEFT-LoRA, and a checkpointed Llama with host offload."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ CASES = {
     "hf_llama_fsdp1_flat": "fsdp1",
     "hf_mixtral_ddp": "ddp",
     "hf_mixtral_fsdp2": "fsdp2",
+    "hf_mixtral_fsdp2_expert_units": "fsdp2",
+    "hf_mixtral_fsdp1_tile_before_wrap": "fsdp1",
+    "hf_qwen2_moe_ddp_aux_loss": "ddp",
+    "hf_qwen2_moe_ddp_no_sync": "ddp",
     "hf_peft_lora_ddp": "ddp",
     "hf_peft_lora_ddp_tile_before_wrap": "ddp",
 }

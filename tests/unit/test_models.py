@@ -31,8 +31,9 @@ def test_family_loss_and_gradients_match(family):
     ref = build(family)
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
     names = tiledmlp.tiled_modules(tiled)
-    assert names == {f"model.layers.{i}.mlp": "plain" for i in range(2)}, names
     expected_form = FAMILIES[family][3]
+    where = "mlp.experts" if expected_form == "moe" else "mlp"  # MoE: the experts, routed once
+    assert names == {f"model.layers.{i}.{where}": "plain" for i in range(2)}, names
     assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {expected_form}
     assert_same_training_signal(tiled, ref, batch())
     tiledmlp.disable_tiling(tiled)
@@ -72,15 +73,16 @@ def test_peft_lora_llama(targets):
     assert trained and all("lora_" in n for n in trained)
 
 
-def test_moe_router_logits_recording_is_refused_while_training():
-    model = tiledmlp.enable_tiling(build("mixtral"), num_shards=3)
+def test_moe_router_logits_recording_is_refused_while_training_a_generic_moe_block():
+    """A whole MoE block on the generic form runs its router per shard without gradient: refused."""
+    model = tiledmlp.enable_tiling(build("mixtral"), num_shards=3, form="generic")
     with pytest.raises(ValueError, match="output_router_logits"):
         model(input_ids=batch(), labels=batch(), output_router_logits=True)
 
 
 def test_moe_router_logits_under_no_grad_are_exact():
     ref = build("mixtral")
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, form="generic")
     with torch.no_grad():
         out_t = tiled(input_ids=batch(), output_router_logits=True)
         out_r = ref(input_ids=batch(), output_router_logits=True)
