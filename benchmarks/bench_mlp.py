@@ -3,7 +3,8 @@
 Providers (all start from the same weights, input and output gradient):
 
 * ``eager``            the untiled block of the ``--style`` (default transformers' ``LlamaMLP``; ``MixtralSparseMoeBlock``
-                       with ``--moe``).
+                       with ``--moe``, its experts as ``--experts-impl`` says, default the eager loop).
+* ``grouped_mm``       MoE only: the untiled block with ``experts_implementation="grouped_mm"``.
 * ``liger``            Liger-Kernel's untiled ``LigerSwiGLUMLP`` / ``LigerGEGLUMLP``.
 * ``liger_tiled``      Liger-Kernel's ``LigerTiledSwiGLUMLP`` / ``LigerTiledGEGLUMLP`` (shards = ceil(T / H)).
 * ``deepspeed_tiled``  DeepSpeed's ``TiledMLP.apply`` around the eager module's forward (shards = ceil(T / H)).
@@ -55,7 +56,7 @@ ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 DENSE_PROVIDERS = ("eager", "liger", "liger_tiled", "deepspeed_tiled", "tiledmlp", "tiledmlp_fp32acc")
 STYLES = ("act_fn", "inline", "torchtitan", "plain", "conv1d")
 LIGER_STYLES = ("act_fn", "inline")  # Liger's GLU modules load these styles' weights (same names)
-MOE_PROVIDERS = ("eager", "deepspeed_tiled", "tiledmlp")
+MOE_PROVIDERS = ("eager", "grouped_mm", "deepspeed_tiled", "tiledmlp")
 TRITON_ONLY = frozenset({"liger", "liger_tiled"})
 FIXED_COLUMNS = (
     "provider", "style", "act", "T", "hidden", "intermediate", "dtype", "time_ms", "time_ratio_vs_eager", "peak_mib",
@@ -271,6 +272,15 @@ def build_eager(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype
     return Runner(module, module)
 
 
+def build_grouped_mm(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                     options: dict[str, Any]) -> Runner:
+    """The untiled MoE block with transformers' grouped-GEMM experts (``torch.nn.functional.grouped_mm``)."""
+    if not shape.moe:
+        raise ValueError("the grouped_mm provider is a MoE experts implementation: use it with --moe")
+    module = materialize(eager_module(shape, experts_impl="grouped_mm"), state, dtype)
+    return Runner(module, module)
+
+
 def build_liger(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype, options: dict[str, Any]) -> Runner:
     """Liger's untiled GLU MLP (Triton activation kernel)."""
     from liger_kernel.transformers.geglu import LigerGEGLUMLP
@@ -349,6 +359,7 @@ def build_tiledmlp_compiled(shape: Shape, state: dict[str, torch.Tensor], dtype:
 BUILDERS: dict[str, Callable[..., Runner]] = {
     "eager": build_eager,
     "eager_compiled": build_eager_compiled,
+    "grouped_mm": build_grouped_mm,
     "liger": build_liger,
     "liger_tiled": build_liger_tiled,
     "deepspeed_tiled": build_deepspeed_tiled,

@@ -24,7 +24,7 @@ run mlp && python3 benchmarks/bench_mlp.py --seq-lens 8192,32768,131072,524288,1
 run styles && python3 benchmarks/bench_mlp.py --style act_fn,inline,torchtitan --providers eager,liger_tiled,tiledmlp \
     && python3 benchmarks/bench_mlp.py --style plain,conv1d --hidden 1600 --intermediate 6400 --providers eager,tiledmlp,tiledmlp_fp32acc \
     && python3 benchmarks/bench_mlp.py --style plain --hidden 2560 --intermediate 10240 --providers eager,tiledmlp,tiledmlp_fp32acc
-run moe && python3 benchmarks/bench_mlp.py --moe --seq-lens 8192,32768
+run moe && python3 benchmarks/bench_moe.py --e2e
 run paired && python3 benchmarks/bench_paired.py && python3 benchmarks/bench_paired.py --act gelu_tanh
 run loss && python3 benchmarks/bench_loss.py
 run decode && python3 benchmarks/bench_decode.py

@@ -15,6 +15,7 @@ import bench_decode  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
 import bench_mlp  # noqa: E402
+import bench_moe  # noqa: E402
 
 
 def _csv(path: Path) -> list[dict[str, str]]:
@@ -82,6 +83,24 @@ def test_bench_mlp_compiled_providers_smoke(tmp_path):
         assert float(row["time_ms"]) > 0 and max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
 
 
+def test_bench_moe_smoke(tmp_path):
+    """Both MoE blocks with the untiled eager and grouped_mm experts and the MoE form (DeepSpeed when
+    installed), and the end-to-end rows: all agree with float64, ratios against grouped_mm filled in."""
+    written = bench_moe.main(["--smoke", "--e2e", "--out", str(tmp_path)])
+    for block in bench_moe.BLOCKS:
+        rows = _csv(tmp_path / f"bench_moe_cpu_{block}_smoke.csv")
+        assert (tmp_path / f"bench_moe_cpu_{block}_smoke.png").stat().st_size > 0
+        assert {"eager", "grouped_mm", "tiledmlp"} <= {r["provider"] for r in rows}
+        for row in rows:
+            assert float(row["time_ratio_vs_grouped_mm"]) > 0, row
+            assert max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
+            if row["provider"] == "tiledmlp":
+                assert row["form"] == "moe", row
+    e2e = _csv(tmp_path / "bench_moe_e2e_cpu_smoke.csv")
+    assert {(r["variant"], r["status"]) for r in e2e} == {("untiled", "ok"), ("tiledmlp", "ok")}
+    assert len(written) == len(bench_moe.BLOCKS) + 1
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit, match="unknown provider"):
         bench_loss.available(["hf", "magic"], bench_loss.torch.device("cpu"))
@@ -89,3 +108,5 @@ def test_unknown_names_are_refused():
         bench_longctx.parse_args(["--variants", "loss,magic"])
     with pytest.raises(SystemExit, match="--style"):
         bench_mlp.parse_args(["--quick", "--style", "act_fn,magic"])
+    with pytest.raises(SystemExit, match="--blocks"):
+        bench_moe.parse_args(["--smoke", "--blocks", "magic"])
