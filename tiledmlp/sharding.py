@@ -15,7 +15,8 @@ fast GLU / MLP form    backward: for one and for two intermediate blocks, the la
                        made equal-sized. Forward: equal parts of a backward shard whose gate and up
                        rows fit the same budget.
 MoE form (experts)     the largest shard up to 16384 tokens whose backward scratch
-                       (``moe_scratch_per_token``: ``k`` rows per token) fits ``scratch_mib``; equal shards
+                       (``moe_scratch_per_token``: ``k`` rows per token) fits ``scratch_mib`` (default
+                       ``DEFAULT_MOE_SCRATCH_MIB``, 2048: see there); equal shards
 generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
 ``num_shards=N``       ``ceil(tokens / N)`` tokens
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
@@ -39,10 +40,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token", "moe_scratch_per_token",
-           "DEFAULT_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
+           "DEFAULT_SCRATCH_MIB", "DEFAULT_MOE_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
            "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
 
 DEFAULT_SCRATCH_MIB = 512
+#: The MoE form's default budget. Each shard is a pass over every expert's weight-gradient accumulator
+#: (all experts: E times a dense MLP's weights), so shard count costs far more than for a dense MLP. On an
+#: H200 (bf16, forward+backward against untiled grouped_mm): Mixtral-8x7B block at 32K tokens 1.59x /
+#: 1.33x / 1.15x / 1.10x with 512 / 1024 / 2048 / 4096 MiB, Qwen3-30B-A3B block 1.52x / 1.14x / 0.90x /
+#: 0.82x; at 8K the Mixtral block's peak is 3.8 GiB with 2048 MiB against untiled's 3.9 (4.4 with 4096).
+DEFAULT_MOE_SCRATCH_MIB = 2048
 MAX_AUTO_TILE = 16384  # tokens per backward shard; beyond this, measured no faster (H200, Llama-3-8B MLP)
 MAX_AUTO_INTER_CHUNKS = 2  # more intermediate blocks measured slower (narrower GEMMs, more input-gradient adds)
 _MIN_TILE = 1024  # below this, split the intermediate dimension rather than the tokens
@@ -201,7 +208,8 @@ class ShardPolicy:
         fixed = self._fixed_rows(tokens)
         if fixed is not None:
             return fixed
-        return _equalize(tokens, max(1, min(MAX_AUTO_TILE, int(self._budget_bytes() // bytes_per_token))))
+        budget = (self.scratch_mib or DEFAULT_MOE_SCRATCH_MIB) * 2**20
+        return _equalize(tokens, max(1, min(MAX_AUTO_TILE, int(budget // bytes_per_token))))
 
     def mlp_forward_rows(self, inter: int, itemsize: int, backward_rows: int, gated: bool = True) -> int:
         """Tokens per forward shard of the fast forms: the backward's ``backward_rows``, or fewer when
