@@ -66,10 +66,6 @@ class ExpertsLayout:
     up_bias: Optional[int] = None
     down_bias: Optional[int] = None
 
-    @property
-    def form(self) -> str:
-        return "moe"
-
     def remap(self, index: Sequence[int]) -> "ExpertsLayout":
         def at(i: Optional[int]) -> Optional[int]:
             return None if i is None else index[i]

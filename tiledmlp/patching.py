@@ -104,10 +104,13 @@ def _is_moe(module: nn.Module) -> bool:
 
 
 def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
-              form: str = "auto", root: Optional[nn.Module] = None) -> Optional[Recognized]:
+              form: str = "auto", root: Optional[nn.Module] = None,
+              experts_seen: Optional[dict[int, Recognized]] = None) -> Optional[Recognized]:
     """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
     recognized MLP block. A MoE block with ``include_moe=False`` is ``"excluded"``: neither it nor
-    anything inside it (its experts) is tiled."""
+    anything inside it (its experts) is tiled. ``experts_seen``: experts modules a MoE block's recognition
+    already probed (by ``id``), so that a later call for the experts module itself does not probe again."""
+    experts_seen = {} if experts_seen is None else experts_seen
     if is_fsdp1_wrapper(module):
         # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
         # wrapped module is tiled instead (tiling the wrapper would gather parameters per shard).
@@ -120,7 +123,8 @@ def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe
             return Recognized("excluded", tuple(slots))
         experts = module.experts
         if form == "auto" and experts_interface(experts, _original_forward(experts)):
-            rec = recognize_experts(experts, _original_forward(experts), param_slots(experts))
+            rec = experts_seen[id(experts)] = recognize_experts(experts, _original_forward(experts),
+                                                                 param_slots(experts))
             if rec.kind == "moe":
                 return None  # the block runs as is; its experts (and a shared expert) are recognized below
             reason = f"its experts ({type(experts).__name__}) cannot take the MoE form: {rec.reason}"
@@ -133,7 +137,7 @@ def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe
                           "is recomputed per shard", warn=form == "auto", moe_block=True)
     forward = _original_forward(module)
     if form == "auto" and experts_interface(module, forward):
-        rec = recognize_experts(module, forward, slots)
+        rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
         return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
     return recognize_mlp(module, forward, slots, fast=form == "auto")
 
@@ -331,10 +335,11 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
     changing anything."""
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
+    experts_seen: dict[int, Recognized] = {}  # MoE blocks' experts, probed once
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, extra_types, include_moe, form, root=model)
+        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen)
         if rec is None:
             continue
         covered.append(name)

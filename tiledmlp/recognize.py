@@ -262,10 +262,11 @@ class _Probe:
             return ref
         return None
 
-    def run(self, x: torch.Tensor, training: bool) -> Any:
+    def run(self, *inputs: torch.Tensor, training: bool) -> Any:
+        """The forward on ``inputs`` (the probe tokens, and for MoE experts their routing)."""
         with (torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),
               silenced_hooks(self.module)):
-            return self.forward(x)
+            return self.forward(*inputs)
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
         with torch.no_grad(), _exact_float32():

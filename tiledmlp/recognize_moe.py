@@ -27,12 +27,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .distributed.detect import fsdp2_units_below, is_dtensor
-from .forms import Slot, swapped
-from .hooks import silenced_hooks
+from .distributed.detect import is_dtensor
+from .forms import Slot
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
-from .recognize import PROBE_ACTIVATIONS, PROBE_RTOL, Recognized, _exact_float32, _mode, _rel_max_err
-from .runtime import dedupe
+from .recognize import (PROBE_ACTIVATIONS, PROBE_RTOL, Recognized, _exact_float32, _Probe, _probe_unavailable,
+                        _rel_max_err)
 
 __all__ = ["experts_interface", "recognize_experts"]
 
@@ -97,16 +96,14 @@ def _layouts(module: nn.Module, index: dict[str, int]) -> list[tuple[str, Expert
 
 
 class _ExpertsProbe:
-    """The module's forward on probe tokens and routing, with float32 copies of its weights."""
+    """The module's forward on probe tokens and routing, with float32 copies of its weights (the dense
+    probe's, ``recognize._Probe``)."""
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot], num_experts: int,
                  hidden: int, up_weight: torch.Tensor) -> None:
-        self.module, self.forward, self.slots = module, forward, slots
-        full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
-        self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
-        self._unique, self._index = dedupe(self.proxies)
-        dtype = self.proxies[0].dtype
-        device = self.proxies[0].device
+        self.probe = _Probe(forward, module, slots)
+        dtype = self.probe.proxies[0].dtype
+        device = self.probe.proxies[0].device
         gen = torch.Generator(device=device).manual_seed(0)
         k = min(_PROBE_TOP_K, num_experts)
         tokens = max(16, math.ceil(2 * num_experts / k))  # every expert gets rows
@@ -117,14 +114,12 @@ class _ExpertsProbe:
         self.x = x * (_PRE_ACTIVATION_STD / max(rms * math.sqrt(hidden), 1e-12))
 
     def run(self, rows: slice = slice(None), training: bool = False) -> Any:
-        with (torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),
-              silenced_hooks(self.module)):
-            return self.forward(self.x[rows], self.index[rows], self.weights[rows])
+        return self.probe.run(self.x[rows], self.index[rows], self.weights[rows], training=training)
 
     def candidate(self, layout: ExpertsLayout, gate_fn: Optional[Callable[..., Any]]) -> torch.Tensor:
         with torch.no_grad(), _exact_float32():
-            form = MoEForm(layout.remap(self._index), gate_fn)
-            return form.forward_shard(self.x, self._unique, side=(self.index, self.weights))[0]
+            form = MoEForm(layout.remap(self.probe._index), gate_fn)
+            return form.forward_shard(self.x, self.probe._unique, side=(self.index, self.weights))[0]
 
 
 def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:
@@ -137,12 +132,9 @@ def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:
     if other:
         return (f"it holds parameters or buffers besides its expert weights and biases ({', '.join(other[:4])}: "
                 "LoRA adapters or a learned scale), which the MoE form does not compute")
-    if any(p.device.type == "meta" for p in params):
-        return "its parameters are on the meta device, so the probe cannot identify what it computes"
-    if any(is_dtensor(p) for p in params) and fsdp2_units_below(module):
-        return "FSDP2 units inside it own its parameters"
-    if any(not isinstance(p, nn.Parameter) for p in params):
-        return "its parameters are views of an FSDP1 flat parameter, so the probe cannot run; enable tiling first"
+    unavailable = _probe_unavailable(module, params, ())  # no Linear children: the expert weights are its own
+    if unavailable:
+        return f"the probe could not run ({unavailable}); enable tiling before sharding the model"
     return ""
 
 

@@ -325,3 +325,17 @@ def test_a_custom_experts_module_is_recognized_by_computation():
 def test_form_layout_checks_its_gate_function():
     with pytest.raises(ValueError, match="gate function"):
         MoEForm(ExpertsLayout(0, 1, gated=True, transposed=False, activation=None))
+
+
+def test_each_experts_module_is_probed_once():
+    """The MoE block's recognition probes its experts; the experts' own recognition reuses that result."""
+    import tiledmlp.patching as patching
+
+    model = build_moe("qwen2_moe")
+    probed = []
+    real = patching.recognize_experts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(patching, "recognize_experts", lambda module, *a: probed.append(module) or real(module, *a))
+        tiledmlp.enable_tiling(model)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert len(probed) == len(experts) and all(any(p is e for p in probed) for e in experts)

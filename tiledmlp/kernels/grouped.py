@@ -71,17 +71,12 @@ class ExpertGroups:
         return start, start + sum(self.counts[first:stop])
 
 
-def grouped_linear(a: torch.Tensor, w: torch.Tensor, groups: ExpertGroups, out: Optional[torch.Tensor] = None
-                   ) -> torch.Tensor:
-    """``out[rows of e] = a[rows of e] @ w[e]`` for ``a`` ``[S, K]`` sorted by expert and ``w`` ``[E, K, N]``
-    (any strides: a transposed view of an ``[E, N, K]`` weight is read in place)."""
-    if groups.grouped and out is None:
-        return _grouped_mm(a, w, offs=groups.offsets)
-    if out is None:
-        out = a.new_empty(a.shape[0], w.shape[-1])
+def grouped_linear(a: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """``[S, N]``: ``a[rows of e] @ w[e]`` for ``a`` ``[S, K]`` sorted by expert and ``w`` ``[E, K, N]`` (any
+    strides: a transposed view of an ``[E, N, K]`` weight is read in place)."""
     if groups.grouped:
-        out.copy_(_grouped_mm(a, w, offs=groups.offsets))
-        return out
+        return _grouped_mm(a, w, offs=groups.offsets)
+    out = a.new_empty(a.shape[0], w.shape[-1])
     for e, start, stop in groups.bounds():
         if stop > start:
             torch.mm(a[start:stop], w[e], out=out[start:stop])
