@@ -1,17 +1,21 @@
-"""Training-step time and peak memory of a Llama-shaped model under DDP, FSDP2, tensor parallelism (TP) or
-FSDP2 over TP, tiled vs untiled.
+"""Training-step time and peak memory of a Llama-shaped model under DDP, FSDP2, tensor parallelism (TP),
+FSDP2 over TP or DeepSpeed ZeRO-3, tiled vs untiled.
 
 Launch with torchrun, one process per GPU::
 
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap ddp --seq-len 32768
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap tp --seq-len 32768
     torchrun --nproc-per-node 4 benchmarks/bench_ddp.py --wrap fsdp2_tp --tp 2 --seq-len 32768
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap zero3 --variants untiled,deepspeed_tiled,tiled
 
 Each variant (``untiled``, then ``tiled`` = ``tiledmlp.enable_tiling(model)`` before wrapping) builds the model
 from the same seed and trains on the same random tokens per data-parallel rank (every rank of a TP group
 gets the same sequence; AdamW, bf16 parameters). TP is Megatron's plan on every decoder layer
 (``ColwiseParallel`` q/k/v and gate/up, ``RowwiseParallel`` o and down; embeddings, norms and head
-replicated); ``fsdp2_tp`` adds ``fully_shard`` per layer and root over the data-parallel mesh. Reported per
+replicated); ``fsdp2_tp`` adds ``fully_shard`` per layer and root over the data-parallel mesh. ``zero3`` is
+``deepspeed.initialize`` with ZeRO stage 3 (bf16, the same AdamW as a torch optimizer), and its extra variant
+``deepspeed_tiled`` runs every MLP through DeepSpeed's own ``TiledMLP`` (the Arctic Long Sequence Training
+call: ``ceil(seq_len / hidden)`` shards, ``compute_params`` the MLP's weights). Reported per
 rank: median step time after warm-up, peak memory over the timed steps, the first step's loss and gradient
 norm (tiled and untiled must agree up to bf16 rounding) and the collectives of one step (counted by
 ``CommDebugMode`` in an untimed step). Rank 0 appends the rows to ``benchmarks/results/bench_ddp_<gpu>.csv``.
@@ -99,7 +103,7 @@ def llama_config(args: argparse.Namespace) -> LlamaConfig:
     )
 
 
-def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, tiled: bool) -> tuple[nn.Module, int]:
+def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, variant: str) -> tuple[nn.Module, int]:
     """The seeded model, optionally tiled, then wrapped; returns it and the number of tiled MLPs."""
     torch.manual_seed(args.seed)
     with torch.device(where.device):
@@ -107,16 +111,39 @@ def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, tiled
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tiled_count = 0
-    if tiled:
+    if variant == "tiled":
         import tiledmlp
 
         tiledmlp.enable_tiling(model, **args.tiledmlp_options)
         tiled_count = len(tiledmlp.tiled_modules(model))
+    elif variant == "deepspeed_tiled":
+        tiled_count = use_deepspeed_tiled_mlp(model)
     return wrap(model, args.wrap, where), tiled_count
 
 
+def use_deepspeed_tiled_mlp(model: nn.Module) -> int:
+    """Every ``LlamaMLP`` of ``model`` computed by DeepSpeed's ``TiledMLP`` (instance forwards, as its Arctic
+    Long Sequence Training recipe patches the class): ``ceil(tokens / hidden)`` shards, the MLP's weights as
+    ``compute_params`` (ZeRO-3 then reduces each gradient once, on the last shard)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    for mlp in mlps:
+        def forward(x: torch.Tensor, mlp: nn.Module = mlp) -> torch.Tensor:
+            shards = math.ceil(x.shape[-2] / x.shape[-1])
+            params = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+            return TiledMLP.apply(lambda m, xs: LlamaMLP.forward(m, xs), mlp, x, shards, params)
+
+        mlp.forward = forward
+    return len(mlps)
+
+
 def wrap(model: nn.Module, kind: str, where: Dist) -> nn.Module:
-    """DDP; FSDP2 with one unit per decoder layer and one for the root; TP; or FSDP2 over TP."""
+    """DDP; FSDP2 with one unit per decoder layer and one for the root; TP; FSDP2 over TP; or left to
+    :func:`zero3_engine` (``zero3``)."""
+    if kind == "zero3":
+        return model
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -160,11 +187,30 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+def zero3_engine(model: nn.Module, dtype: torch.dtype) -> Any:
+    """``deepspeed.initialize`` with ZeRO stage 3 and a torch AdamW (DeepSpeed's fused Adam would build an op)."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": dist.get_world_size(), "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": dtype == torch.bfloat16},
+              "steps_per_print": 10**9}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokens: torch.Tensor,
                norm: bool = False) -> tuple[float, float]:
     """One forward/backward/AdamW step; returns the loss and (``norm``) the global gradient norm before the
-    update, else NaN (timed steps skip it: under TP it costs a collective per DTensor gradient)."""
+    update, else NaN (timed steps skip it: under TP it costs a collective per DTensor gradient). A
+    ``DeepSpeedEngine`` (``optimizer`` None) steps itself and reports the norm it computed."""
     loss = model(input_ids=tokens, labels=tokens).loss
+    if optimizer is None:
+        model.backward(loss)
+        model.step()
+        grad_norm = model.get_global_grad_norm() if norm else math.nan
+        return loss.item(), float(grad_norm) if grad_norm is not None else math.nan
     loss.backward()
     grad_norm = global_grad_norm(model) if norm else math.nan
     optimizer.step()
@@ -183,7 +229,7 @@ def global_grad_norm(model: nn.Module) -> float:
     return math.sqrt(total)
 
 
-def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, steps: int,
+def timed_steps(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokens: torch.Tensor, steps: int,
                 device: torch.device) -> list[float]:
     """Wall time (ms) of each of ``steps`` training steps, synchronized before and after each."""
     times = []
@@ -196,22 +242,50 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torc
     return times
 
 
-def counted_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> str:
+def counted_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokens: torch.Tensor) -> str:
     """One untimed training step's collectives, ``name=count;...``: DTensor's functional collectives (TP)
     and the process-group calls of DDP/FSDP2 that a dispatch mode sees."""
-    from torch.distributed.tensor.debug import CommDebugMode
+    if optimizer is None:  # a DeepSpeedEngine, whose module hooks CommDebugMode's module tracker breaks
+        counts = counted_process_group_calls(lambda: train_step(model, optimizer, tokens))
+    else:
+        from torch.distributed.tensor.debug import CommDebugMode
 
-    with CommDebugMode() as mode:
-        train_step(model, optimizer, tokens)
-    counts = sorted((str(op).rsplit(".", 1)[-1], n) for op, n in mode.get_comm_counts().items() if n)
+        with CommDebugMode() as mode:
+            train_step(model, optimizer, tokens)
+        counts = sorted((str(op).rsplit(".", 1)[-1], n) for op, n in mode.get_comm_counts().items() if n)
     return ";".join(f"{name}={n}" for name, n in counts) or "none"
 
 
-def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, tiled: bool) -> dict[str, Any]:
+def counted_process_group_calls(step: Any) -> list[tuple[str, int]]:
+    """The ``torch.distributed`` collectives ``step()`` calls (DeepSpeed's communication goes through them)."""
+    names = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce", "broadcast")
+    counts: dict[str, int] = {}
+    saved = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        step()
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return sorted(counts.items())
+
+
+def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, variant: str) -> dict[str, Any]:
     """Build, warm up and time one variant on this rank."""
-    model, tiled_count = build_model(args, where, dtype, tiled)
-    # TP alone mixes DTensor and plain parameters, which AdamW's foreach path refuses.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=args.wrap != "tp")
+    model, tiled_count = build_model(args, where, dtype, variant)
+    optimizer: Optional[torch.optim.Optimizer] = None
+    if args.wrap == "zero3":
+        model = zero3_engine(model, dtype)
+    else:  # TP alone mixes DTensor and plain parameters, which AdamW's foreach path refuses.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=args.wrap != "tp")
     tokens = make_batch(args, where)
     loss0, grad_norm0 = train_step(model, optimizer, tokens, norm=True)
     collectives = counted_step(model, optimizer, tokens)
@@ -231,7 +305,7 @@ def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, t
 def run_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, variant: str) -> dict[str, Any]:
     """:func:`measure_variant`, with out-of-memory recorded as status "oom"; frees everything afterwards."""
     try:
-        return measure_variant(args, where, dtype, tiled=variant == "tiled")
+        return measure_variant(args, where, dtype, variant)
     except torch.OutOfMemoryError:
         return {"status": "oom"}
     finally:
@@ -270,7 +344,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command line, with full-size or ``--quick`` defaults for every size left unset."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--wrap", choices=("ddp", "fsdp2", "tp", "fsdp2_tp"), default="ddp")
+    parser.add_argument("--wrap", choices=("ddp", "fsdp2", "tp", "fsdp2_tp", "zero3"), default="ddp")
     parser.add_argument("--tp", type=int, default=2, help="TP degree of --wrap fsdp2_tp (tp: the world size)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per rank (default 32768)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
@@ -279,7 +353,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=None, help="attention heads (default 32)")
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8)")
     parser.add_argument("--vocab", type=int, default=None, help="default 32000")
-    parser.add_argument("--variants", default="untiled,tiled", help="comma-separated: untiled, tiled")
+    parser.add_argument("--variants", default="untiled,tiled",
+                        help="comma-separated: untiled, tiled (and deepspeed_tiled with --wrap zero3)")
     parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant gradient checkpointing per layer")
     parser.add_argument("--tiledmlp-options", type=parse_options, default={},
                         help="extra enable_tiling keyword arguments, key=val,...")
@@ -297,8 +372,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.variants = args.variants.split(",")
-    if set(args.variants) - {"untiled", "tiled"} or args.warmup < 1 or args.steps < 1:
-        parser.error("--variants takes untiled and/or tiled; --warmup and --steps must be >= 1")
+    known = {"untiled", "tiled"} | ({"deepspeed_tiled"} if args.wrap == "zero3" else set())
+    if set(args.variants) - known or args.warmup < 1 or args.steps < 1:
+        parser.error(f"--variants takes {sorted(known)}; --warmup and --steps must be >= 1")
     return args
 
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .describe import Description, TileInfo, describe, log_summary
-from .distributed.strategies import STRATEGY_NAMES, FSDP2Strategy, PlainStrategy, Strategy
+from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
+from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
 from .distributed.tensor_parallel import has_tp_hooks
 from .loss import tiled_linear_cross_entropy
 from .offload import checkpoint, checkpointed_layers, install_offload, offloaded_layers, uninstall_offload
@@ -64,7 +65,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
             before wrapping with ``strategy="auto"``).
         strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
-            ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``; a forced strategy must match the wrapping.
+            ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (ZeRO 1-3; also detected
+            when tiling is enabled before ``deepspeed.initialize``, from the parameters), ``"tp"``; a forced
+            strategy must match the wrapping.
         loss: also tile the loss (``tiledmlp.heads``): while the model is called with ``labels``, its
             head returns a placeholder that materializes on demand, and its ``loss_function`` computes
             the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
@@ -182,8 +185,11 @@ def tiled_modules(model: nn.Module) -> dict[str, str]:
 
 
 def _functional_strategy(module: nn.Module) -> Strategy:
-    """``apply_tiled_mlp`` sees only the MLP: FSDP2 if it is a unit, else the plain mechanics, which
-    are already DDP-correct (one gradient per parameter per backward)."""
+    """``apply_tiled_mlp`` sees only the MLP: FSDP2 if it is a unit, DeepSpeed if ZeRO-3 partitions its
+    parameters, else the plain mechanics, which are already DDP- and ZeRO-1/2-correct (one gradient per
+    parameter per backward)."""
+    if any(is_zero3_param(p) for p in module.parameters()):
+        return DeepSpeedStrategy()
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -204,8 +210,10 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
             tiled autograd node.
         x: ``[..., tokens, hidden]``; ``[B, T, H]`` is sharded over all ``B * T`` tokens.
         num_shards: ``None`` for ``ceil(tokens / hidden)``.
-        compute_params: accepted for compatibility (DeepSpeed ZeRO); each must belong to
-            ``mlp_module``. Gradients are computed for every trainable parameter of the module.
+        compute_params: accepted for compatibility (DeepSpeed's ``TiledMLP``); each must belong to
+            ``mlp_module``. Gradients are computed for every trainable parameter of the module, and
+            under ZeRO-3 every partitioned parameter of the module is gathered once per call in forward
+            and once in backward (strategy ``deepspeed``), whatever ``compute_params`` lists.
         ddp_safe: accepted for compatibility. The path is always DDP-safe: shard gradients are summed
             inside one autograd node, so each parameter's hook fires once per backward and existing
             ``.grad`` values (micro-batch accumulation) are never zeroed.
@@ -243,7 +251,10 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
             f"{type(mlp_module).__name__} is tensor parallel (parallelize_module); apply_tiled_mlp would run "
             "its collectives once per shard. Use tiledmlp.enable_tiling(model), whose 'tp' strategy tiles "
             "the local shards between the untiled module's collectives.")
+    strategy = _functional_strategy(mlp_module)
+    if isinstance(strategy, DeepSpeedStrategy):
+        check_deepspeed_module(type(mlp_module).__name__, mlp_module)
     if x.numel() == 0:
         return fn(mlp_module, x)
     spec = TiledCallSpec(name=type(mlp_module).__name__, slots=tuple(slots), policy=policy)
-    return spec(_functional_strategy(mlp_module), mlp_module, lambda xs: fn(mlp_module, xs), x)
+    return spec(strategy, mlp_module, lambda xs: fn(mlp_module, xs), x)

@@ -38,7 +38,15 @@ class Slot:
     name: str
 
     def get(self) -> torch.Tensor:
-        return getattr(self.owner, self.name)
+        # What ``getattr`` returns, without the module's attribute machinery: DeepSpeed ZeRO-3 replaces
+        # ``_parameters`` with a mapping whose item access all-gathers a partitioned parameter (one
+        # collective per parameter) and registers it with whichever module is in forward.
+        owner, name = self.owner, self.name
+        if name in owner.__dict__:
+            return owner.__dict__[name]
+        if name in owner._parameters:
+            return dict.__getitem__(owner._parameters, name)
+        return getattr(owner, name)
 
 
 @contextlib.contextmanager

@@ -166,7 +166,9 @@ class TileCall:
 
     ``lead_shape`` is the input's shape without its last dim: outputs whose leading dims are the
     tokens' (``form.leading_outputs``) are returned in that shape, the others as ``[tokens, ...]``.
-    ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard).
+    ``around_backward`` is the strategy's context for the recompute (e.g. an explicit FSDP2 unshard), and
+    ``around_delivery`` the one for handing out gradients finished in forward (a ZeRO-3 gather: autograd
+    accumulates into the parameter's current shape).
     ``forward_rows`` (default ``shard_rows``) cuts the forward differently from the backward; only a
     deterministic form may use it (a stochastic form's backward replays the forward's shards).
     ``side`` are token-aligned tensors that need no gradient (a loss's labels, per-token state a form
@@ -179,6 +181,7 @@ class TileCall:
     shard_rows: int
     lead_shape: tuple[int, ...]
     around_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    around_delivery: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     grad_accum_dtype: Optional[torch.dtype] = None
     forward_rows: Optional[int] = None
     side: tuple[torch.Tensor, ...] = ()
@@ -307,6 +310,7 @@ class TiledMLPFunction(torch.autograd.Function):
             with record_function("tiledmlp::forward"):
                 outs = _forward_shards(call, x, params, (), dx, grads)
             ctx.forward_grads = [dx, *grads.results()]
+            ctx.around_delivery = call.around_delivery
             ctx.call = ctx.params = None  # backward needs neither: release the form's scratch and side inputs
         else:
             ctx.save_for_backward(*token_inputs, *((x,) if keeper is None else ()))
@@ -324,7 +328,8 @@ class TiledMLPFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
         call: Optional[TileCall] = ctx.call
         if call is None:  # the gradients were finished in forward
-            dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
+            with ctx.around_delivery():
+                dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
             return (None, dx, None, None, *param_grads)
         n, saved = ctx.n, ctx.saved_tensors
         token_inputs = saved[:n]

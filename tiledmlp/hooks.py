@@ -4,8 +4,9 @@ them for the recognition probe.
 A fast form computes the MLP from its weights and never calls its children, so any hook on a child —
 activation capture, quantization, offload libraries — would silently not run. A module whose children
 carry hooks therefore takes the generic form, which calls its own forward and so every child and hook,
-per shard. ``parallelize_module``'s hooks are the exception: the ``tp`` strategy performs exactly what
-they do, once per call (``distributed/tensor_parallel.py``). Global module hooks
+per shard. ``parallelize_module``'s hooks and DeepSpeed ZeRO-3's parameter fetch/release hooks are the
+exceptions: the ``tp`` and ``deepspeed`` strategies perform exactly what they do, once per call
+(``distributed/tensor_parallel.py``, ``distributed/deepspeed.py``). Global module hooks
 (``register_module_forward_hook``) are observers of every module — ``CommDebugMode``'s module tracker,
 FLOP and memory counters — and do not change the form: they see the tiled module, not its children.
 """
@@ -17,6 +18,7 @@ from typing import Iterator
 
 from torch import nn
 
+from .distributed.deepspeed import zero_hook_count
 from .distributed.tensor_parallel import tp_hook_count
 
 __all__ = ["hooked_children", "silenced_hooks"]
@@ -28,7 +30,7 @@ def hooked_children(module: nn.Module) -> list[str]:
     """Names of ``module``'s submodules (itself excluded: its hooks run around the tiled call) that carry
     hooks a fast form would skip."""
     return [name for name, m in module.named_modules() if name
-            and sum(len(getattr(m, t, None) or ()) for t in _TABLES) > tp_hook_count(m)]
+            and sum(len(getattr(m, t, None) or ()) for t in _TABLES) > tp_hook_count(m) + zero_hook_count(m)]
 
 
 @contextlib.contextmanager

@@ -50,8 +50,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
+from .distributed.deepspeed import gathered, is_zero3_param
 from .distributed.detect import is_dtensor
-from .distributed.strategies import PlainStrategy, Strategy
+from .distributed.strategies import DeepSpeedStrategy, PlainStrategy, Strategy
 from .function import TileCall, run_tiled
 from .kernels.cross_entropy import LogitTransform, ce_finalize, ce_grad_, ce_stats_, new_stats, stats_dtype
 from .logs import warn_once
@@ -275,7 +276,8 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
         form = LinearCrossEntropyForm(spec, 0, None if bias is None else 1, vocab, tile.vocab_chunk, tile.fused,
                                       coef, dtype)
         call = TileCall(form=form, shard_rows=tile.rows, lead_shape=(tokens,),
-                        around_backward=strategy.backward_context(params), grad_accum_dtype=grad_accum_dtype,
+                        around_backward=strategy.backward_context(params, module),
+                        around_delivery=strategy.delivery_context(params, module), grad_accum_dtype=grad_accum_dtype,
                         side=side, partial_mib=tile.partial_mib)
         (per_token,) = run_tiled(call, x, params)
     if spec.reduction == "none":
@@ -334,5 +336,10 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         raise TypeError("weight must be the head's plain [vocab, hidden] tensor; a DTensor (FSDP2 or tensor-"
                         "parallel sharded) head must be unsharded first: call this inside the FSDP2 unit's "
                         "forward, or use tiledmlp.enable_tiling(model, loss=True)")
-    return linear_cross_entropy(PlainStrategy(), None, lambda: (weight, bias), hidden, labels, spec,
-                                num_items_in_batch, grad_accum_dtype, "tiled_linear_cross_entropy")
+    params = [t for t in (weight, bias) if t is not None]
+    # A ZeRO-3-partitioned head (read outside DeepSpeed's forward, or released since) is gathered for the
+    # call and again to deliver its gradient (distributed/deepspeed.py).
+    strategy = DeepSpeedStrategy() if any(is_zero3_param(p) for p in params) else PlainStrategy()
+    with gathered(params):
+        return linear_cross_entropy(strategy, None, lambda: (weight, bias), hidden, labels, spec,
+                                    num_items_in_batch, grad_accum_dtype, "tiled_linear_cross_entropy")

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from .distributed.deepspeed import check_deepspeed_module, is_zero_managed
 from .distributed.detect import Wrapping, detect_wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .distributed.tensor_parallel import TPPlan, tp_plan
@@ -195,7 +196,8 @@ def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Option
     head, which must not be tensor parallel)."""
     slots = list(slots)
     params = [s.get() for s in slots]
-    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params))
+    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params),
+                               zero_params=any(is_zero_managed(p) for p in params))
     return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
                              reason=reason, head=head)
 
@@ -319,6 +321,8 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
     (``rec``: how it was recognized, for its tensor-parallel plan; None for an LM head)."""
     path = module_path(model, module)
     wrapping, tp = _parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
+    if wrapping is Wrapping.DEEPSPEED:
+        check_deepspeed_module(label, module)
     units = owning_units(path, wrapping)
     if strategy == "auto":
         # Unwrapped (TP or not): detected again at each call, so wrapping the model later still counts.

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed.deepspeed import gathered_for_probe
 from .distributed.detect import fsdp2_units_below, is_dtensor
 from .hooks import hooked_children, silenced_hooks
 from .forms import Slot, is_plain_linear, swapped
@@ -350,6 +351,15 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
     where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
     if named and not fast:  # the generic form asked for: the names suffice, no need to run the forward
         return Recognized("generic", tuple(slots), reason="form='generic' was asked for")
+    with gathered_for_probe([s.get() for s in slots]):  # ZeRO-3: whole parameters while the probe runs
+        return _recognize_by_probe(module, forward, slots, linears, hiddens, named, where, fast)
+
+
+def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot],
+                        linears: Sequence[LinearLike], hiddens: Sequence[int], named: bool,
+                        where: dict[tuple[int, str], int], fast: bool) -> Optional[Recognized]:
+    """The part of :func:`recognize_mlp` that reads the parameters: the probe, or the structure when the
+    probe cannot run."""
     params = [s.get() for s in slots]
     unavailable = _probe_unavailable(module, params, linears) if params else "it has no parameters"
     hooked = hooked_children(module)

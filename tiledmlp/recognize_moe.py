@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .distributed.deepspeed import full_shape, gathered_for_probe
 from .distributed.detect import is_dtensor
 from .forms import Slot
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
@@ -50,10 +51,10 @@ def _positional(forward: Callable[..., Any]) -> list[str]:
 def _weights(module: nn.Module) -> tuple[list[str], list[str], list[str]]:
     """Names of the module's own 3-D and 2-D parameters, and of everything else it holds (parameters of
     other ranks or in submodules, buffers)."""
-    own = {n: p for n, p in module._parameters.items() if p is not None}
-    three = [n for n, p in own.items() if p.dim() == 3]
-    two = [n for n, p in own.items() if p.dim() == 2]
-    other = [n for n, p in own.items() if p.dim() not in (2, 3)]
+    own = {n: len(full_shape(p)) for n, p in module._parameters.items() if p is not None}
+    three = [n for n, dim in own.items() if dim == 3]
+    two = [n for n, dim in own.items() if dim == 2]
+    other = [n for n, dim in own.items() if dim not in (2, 3)]
     other += [f"{mn}.{pn}" for mn, m in module.named_modules() if m is not module
               for pn, p in m._parameters.items() if p is not None]
     other += [n for n, _ in module.named_buffers()]
@@ -66,14 +67,19 @@ def experts_interface(module: nn.Module, forward: Callable[..., Any]) -> bool:
     three, _, _ = _weights(module)
     if len(three) != 2 or len(_positional(forward)) < 3:
         return False
-    a, b = (module._parameters[n] for n in three)
-    return a.shape[0] == b.shape[0]
+    a, b = (_shape(module, n) for n in three)
+    return a[0] == b[0]
+
+
+def _shape(module: nn.Module, name: str) -> tuple[int, ...]:
+    """A parameter's whole shape, also while ZeRO-3 keeps it partitioned."""
+    return tuple(full_shape(dict(module._parameters.items())[name]))
 
 
 def _layouts(module: nn.Module, index: dict[str, int]) -> list[tuple[str, ExpertsLayout]]:
     """Every layout the shapes allow (activation left None), with a description."""
     three, two, _ = _weights(module)
-    shapes = {n: tuple(module._parameters[n].shape) for n in three + two}
+    shapes = {n: _shape(module, n) for n in three + two}
     out = []
     for up, down in itertools.permutations(three):
         for transposed in (False, True):
@@ -141,6 +147,11 @@ def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:
 def recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Recognized:
     """The MoE form for an experts module (kind ``"moe"``, layout an :class:`ExpertsLayout` over ``slots``
     with ``computes`` saying what it computes), or kind ``"generic"`` with the reason it cannot be used."""
+    with gathered_for_probe([s.get() for s in slots]):  # ZeRO-3: whole weights while the probe runs
+        return _recognize_experts(module, forward, slots)
+
+
+def _recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Recognized:
     def generic(reason: str) -> Recognized:
         return Recognized("generic", tuple(slots), reason=reason, warn=True)
 

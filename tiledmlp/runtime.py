@@ -110,7 +110,7 @@ class TiledCallSpec:
                 shard_rows=shard_rows,
                 forward_rows=forward_rows,
                 lead_shape=tuple(x.shape[:-1]),
-                around_backward=strategy.backward_context(tensors),
+                around_backward=strategy.backward_context(tensors, module),
                 grad_accum_dtype=accum,
             )
             outs = run_tiled(call, x.reshape(-1, hidden), tensors, token_inputs)

@@ -42,3 +42,26 @@ def test_bench_ddp_quick(tmp_path, wrap, nproc):
             assert abs(float(tiled[key]) - float(untiled[key])) <= 1e-4 * abs(float(untiled[key])), (key, tiled, untiled)
         got, ref = _counts(tiled["collectives_per_step"]), _counts(untiled["collectives_per_step"])
         assert ref and set(got) == set(ref) and all(got[k] <= ref[k] for k in ref), (got, ref)
+
+
+def test_bench_zero3_quick(tmp_path):
+    """``--wrap zero3``: DeepSpeed ZeRO-3, untiled vs DeepSpeed's TiledMLP vs tiledmlp, same first loss and
+    gradient norm on every rank."""
+    pytest.importorskip("deepspeed", reason="the 'deepspeed' test extra")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "benchmarks/bench_ddp.py", "--quick", "--wrap", "zero3", "--variants", "untiled,deepspeed_tiled,tiled",
+           "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("bench_ddp_*_quick.csv")
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"} and {r["wrap"] for r in rows} == {"zero3"}, rows
+    for rank in range(2):
+        by = {r["variant"]: r for r in rows if r["rank"] == str(rank)}
+        assert int(by["tiled"]["tiled_mlps"]) == int(by["deepspeed_tiled"]["tiled_mlps"]) == 2
+        for variant in ("tiled", "deepspeed_tiled"):
+            for key in ("loss0", "grad_norm0"):
+                ref = float(by["untiled"][key])
+                assert abs(float(by[variant][key]) - ref) <= 1e-4 * abs(ref), (variant, key, by)

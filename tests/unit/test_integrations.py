@@ -1,5 +1,5 @@
 """Every Python block of ``docs/integrations.md`` runs as written (on a CPU, each in a fresh interpreter:
-some start a process group)."""
+some start a process group; the DeepSpeed block needs the ``deepspeed`` test extra)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "integrations.md").
 
 
 def test_the_page_has_its_blocks():
-    assert len(BLOCKS) == 4
+    assert len(BLOCKS) == 5
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -26,8 +26,8 @@ def test_block_runs(index, tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
-    expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}", 2: "['generic', 'loss']",
-                3: "fsdp2+tp"}[index]
+    expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}",
+                2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['generic', 'loss']", 4: "fsdp2+tp"}[index]
     assert expected in last, proc.stdout[-2000:]
 
 

@@ -5,6 +5,9 @@ two run-time signals that work when tiling was enabled *before* the model was wr
 
 * DDP wraps the model in a new parent we cannot see from below, but marks itself active for the
   duration of its forward (``DistributedDataParallel._active_ddp_module``);
+* DeepSpeed wraps the model in a ``DeepSpeedEngine`` (seen when tiling is enabled on the engine); its
+  ZeRO-3 partitions every parameter and its ZeRO-1/2 optimizer links every trainable one to an fp32
+  partition, marks the parameters carry from ``deepspeed.initialize`` on (``deepspeed.is_zero_managed``);
 * FSDP2's ``fully_shard`` changes the class of the modules it shards, in place, so the tree we keep
   a reference to shows it; FSDP1 replaces children with ``FullyShardedDataParallel`` wrappers in that
   tree, or (root-only wrapping) turns the MLP's parameters into views of a flat parameter, which the
@@ -20,6 +23,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .deepspeed import in_deepspeed_engine
+
 __all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "is_fsdp1_wrapper",
            "storage_freed"]
 
@@ -31,6 +36,7 @@ class Wrapping(str, enum.Enum):
     DDP = "ddp"
     FSDP1 = "fsdp1"
     FSDP2 = "fsdp2"
+    DEEPSPEED = "deepspeed"
 
 
 @functools.cache
@@ -94,12 +100,12 @@ def fsdp2_units_below(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if name and isinstance(m, fsdp2)]
 
 
-def detect_wrapping(path: Sequence[nn.Module], flat_param_views: bool = False) -> Wrapping:
+def detect_wrapping(path: Sequence[nn.Module], flat_param_views: bool = False, zero_params: bool = False) -> Wrapping:
     """Classify the wrapper of the last module of ``path`` (root first).
 
     ``flat_param_views`` says the parameter slots no longer hold ``nn.Parameter`` objects (FSDP1 with
-    ``use_orig_params=False``). The innermost sharding wrapper wins; DDP only counts when nothing
-    shards the parameters. Tensor parallelism is not a wrapping: ``tensor_parallel.tp_plan`` reads it
+    ``use_orig_params=False``); ``zero_params`` that DeepSpeed ZeRO manages them. The innermost sharding
+    wrapper wins; DeepSpeed comes next, and DDP only counts when nothing shards the parameters. Tensor parallelism is not a wrapping: ``tensor_parallel.tp_plan`` reads it
     off the MLP's projections, and its strategy composes with the wrapping's.
     """
     fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_type()
@@ -110,6 +116,8 @@ def detect_wrapping(path: Sequence[nn.Module], flat_param_views: bool = False) -
             return Wrapping.FSDP1
     if flat_param_views:
         return Wrapping.FSDP1
+    if zero_params or in_deepspeed_engine(path):
+        return Wrapping.DEEPSPEED
     if any(isinstance(mod, nn.parallel.DistributedDataParallel) for mod in path):
         return Wrapping.DDP
     if nn.parallel.DistributedDataParallel._active_ddp_module is not None:

@@ -24,6 +24,12 @@ fsdp2      explicit unshard/reshard. Inside an FSDP2 unit's ``__call__`` the par
 fsdp1      flat-parameter views (``use_orig_params=False``) or original parameters are read through
            the parameter slots at call time, inside FSDP1's forward; gradients flow into the flat
            parameter once. Nothing else to do.
+deepspeed  DeepSpeed ZeRO (``deepspeed.initialize``, HF ``Trainer``/accelerate with a DeepSpeed config).
+           Stages 1 and 2: nothing beyond the tiled node (their reduction hook must fire once per
+           backward, which it does). Stage 3: the tiled module's partitioned parameters are gathered
+           once per call in forward and once in backward, by the strategy, and released right after
+           (``deepspeed.py`` has the order); ZeRO's hooks on the module's children are hidden while
+           shards run.
 tp         tensor parallel (``parallelize_module``: ColwiseParallel gate/up, RowwiseParallel down),
            composed with the data-parallel strategy of whatever wraps it (``fsdp2+tp`` for FSDP2 over
            TP): the tiles run on the local weight shards, and the call issues the untiled module's
@@ -43,10 +49,11 @@ import torch
 from torch import nn
 
 from ..mlp_form import MLPLayout
+from . import deepspeed as ds
 from .detect import Wrapping, is_dtensor, storage_freed
 from .tensor_parallel import Localized, TPPlan, localize
 
-__all__ = ["Strategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced",
+__all__ = ["Strategy", "DeepSpeedStrategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced",
            "owning_units"]
 
 
@@ -85,8 +92,14 @@ class Strategy:
         """The tensors the tiled function computes with on this rank (those given, but under TP)."""
         return Localized(x, list(params), layout)
 
-    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+    def backward_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
         """Context factory for the recompute in backward (see ``TileCall.around_backward``)."""
+        return contextlib.nullcontext
+
+    def delivery_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
+        """Context factory for handing out gradients finished in forward (``TileCall.around_delivery``)."""
         return contextlib.nullcontext
 
     def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
@@ -177,7 +190,8 @@ class FSDP2Strategy(Strategy):
                 "module inside it."
             )
 
-    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
+    def backward_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
         # The parameters' storage is still freed only when nobody re-gathered before this node's
         # backward (FSDP2's pre-backward hook did not run for the unit): gather here.
         return lambda: _gathered(self.units, any(storage_freed(p) for p in params))
@@ -225,6 +239,56 @@ class FSDP1Strategy(Strategy):
     wrapping = Wrapping.FSDP1
 
 
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed ZeRO, stages 1-3: explicit gather/release of ZeRO-3-partitioned parameters per tiled call.
+
+    Stages 1 and 2 leave the parameters whole and need only the tiled node's one gradient per parameter
+    per backward. Under stage 3 each call gathers the tiled module's partitioned parameters in one
+    coalesced all-gather before they are read and partitions them once the node is built; backward
+    gathers them again for the recompute and releases each as soon as autograd has accumulated its
+    gradient (``deepspeed.py``, design note). ZeRO's fetch hooks on the module's children are hidden
+    while shards run, so the generic form's per-shard calls neither gather nor enter ZeRO's trace.
+    """
+
+    name = "deepspeed"
+    wrapping = Wrapping.DEEPSPEED
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module) -> Iterator[None]:
+        with ds.gathered(module.parameters(), module), ds.hidden_zero_hooks(module):
+            yield
+
+    def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
+        super().check_params(module_name, params)
+        partitioned = [tuple(ds.full_shape(p)) for p in params if ds.is_zero3_param(p) and p.numel() == 0]
+        if partitioned:
+            raise ValueError(
+                f"{module_name}: ZeRO-3 parameters of shapes {partitioned} are still partitioned after gathering "
+                "the module's own parameters; they belong to another module. Tile the module that owns every "
+                "parameter its computation reads (apply_tiled_mlp: pass that module as mlp_module).")
+
+    def backward_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
+        def context() -> ContextManager:
+            stack = contextlib.ExitStack()
+            stack.enter_context(ds.gathered_for_backward(params, module))
+            if module is not None:
+                stack.enter_context(ds.hidden_zero_hooks(module))
+            return stack
+
+        return context
+
+    def delivery_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
+        # Autograd accumulates into a parameter of the shape it has then: a partitioned one is gathered.
+        return lambda: ds.gathered_for_backward(params, module)
+
+    def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        """Keep the head's parameters, which ZeRO-3's hook gathered for the head's call, past its post-forward
+        release until the loss right after it has run: one all-gather in forward, as untiled."""
+        return ds.hold(module.parameters())
+
+
 class _Layered(Strategy):
     """A strategy layered over another one, ``inner``: every hook is ``inner``'s unless overridden."""
 
@@ -242,8 +306,13 @@ class _Layered(Strategy):
                  layout: Optional[MLPLayout]) -> Localized:
         return self.inner.localize(module_name, x, params, layout)
 
-    def backward_context(self, params: Sequence[torch.Tensor]) -> Callable[[], ContextManager]:
-        return self.inner.backward_context(params)
+    def backward_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
+        return self.inner.backward_context(params, module)
+
+    def delivery_context(self, params: Sequence[torch.Tensor],
+                         module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
+        return self.inner.delivery_context(params, module)
 
     def hold_gathered(self, module: nn.Module) -> Optional[Callable[[], None]]:
         return self.inner.hold_gathered(module)
@@ -283,10 +352,12 @@ class TPStrategy(_Layered):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy, TPStrategy)
+    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy,
+                              DeepSpeedStrategy, TPStrategy)
 }
 STRATEGY_NAMES = ("auto", *STRATEGIES)
-_BY_WRAPPING = {cls.wrapping: cls for cls in (PlainStrategy, DDPStrategy, FSDP2Strategy, FSDP1Strategy)}
+_BY_WRAPPING = {cls.wrapping: cls for cls in (PlainStrategy, DDPStrategy, FSDP2Strategy, FSDP1Strategy,
+                                              DeepSpeedStrategy)}
 
 
 def _with_tp(data: Strategy, tp: Optional[TPPlan]) -> Strategy:
