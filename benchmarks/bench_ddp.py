@@ -293,6 +293,8 @@ def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, v
     if where.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where.device)
     step_ms = statistics.median(timed_steps(model, optimizer, tokens, args.steps, where.device))
+    if optimizer is None:
+        model.destroy()  # a DeepSpeedEngine holds its optimizer state until destroyed (and in cycles beyond)
     result = {"status": "ok", "step_ms": step_ms, "tokens_per_s": where.dp_size * args.seq_len / step_ms * 1e3,
               "loss0": loss0, "grad_norm0": grad_norm0, "tiled_mlps": tiled_count,
               "collectives_per_step": collectives}

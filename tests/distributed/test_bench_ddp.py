@@ -22,16 +22,21 @@ def _counts(text: str) -> dict[str, int]:
     return {} if text == "none" else {k: int(v) for k, v in (item.split("=") for item in text.split(";"))}
 
 
-@pytest.mark.parametrize("wrap, nproc", [("ddp", 2), ("fsdp2", 2), ("tp", 2), ("fsdp2_tp", 4)])
-def test_bench_ddp_quick(tmp_path, wrap, nproc):
+def _quick_rows(out: Path, nproc: int, *options: str) -> list[dict[str, str]]:
+    """``bench_ddp.py --quick`` under torchrun on ``nproc`` CPU processes; the rows of its CSV."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "benchmarks/bench_ddp.py", "--quick", "--wrap", wrap, "--out", str(tmp_path)]
+           "benchmarks/bench_ddp.py", "--quick", *options, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("bench_ddp_*_quick.csv")
+    (path,) = out.glob("bench_ddp_*_quick.csv")
     with path.open() as handle:
-        rows = list(csv.DictReader(handle))
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize("wrap, nproc", [("ddp", 2), ("fsdp2", 2), ("tp", 2), ("fsdp2_tp", 4)])
+def test_bench_ddp_quick(tmp_path, wrap, nproc):
+    rows = _quick_rows(tmp_path, nproc, "--wrap", wrap)
     assert len(rows) == 2 * nproc and {r["status"] for r in rows} == {"ok"}, rows
     assert {r["tp"] for r in rows} == {"1" if wrap in ("ddp", "fsdp2") else "2"}
     for rank in range(nproc):
@@ -48,15 +53,7 @@ def test_bench_zero3_quick(tmp_path):
     """``--wrap zero3``: DeepSpeed ZeRO-3, untiled vs DeepSpeed's TiledMLP vs tiledmlp, same first loss and
     gradient norm on every rank."""
     pytest.importorskip("deepspeed", reason="the 'deepspeed' test extra")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "benchmarks/bench_ddp.py", "--quick", "--wrap", "zero3", "--variants", "untiled,deepspeed_tiled,tiled",
-           "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("bench_ddp_*_quick.csv")
-    with path.open() as handle:
-        rows = list(csv.DictReader(handle))
+    rows = _quick_rows(tmp_path, 2, "--wrap", "zero3", "--variants", "untiled,deepspeed_tiled,tiled")
     assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"} and {r["wrap"] for r in rows} == {"zero3"}, rows
     for rank in range(2):
         by = {r["variant"]: r for r in rows if r["rank"] == str(rank)}
