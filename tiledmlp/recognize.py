@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .distributed.deepspeed import gathered_for_probe
+from .distributed.deepspeed import gathered
 from .distributed.detect import fsdp2_units_below, is_dtensor
 from .hooks import hooked_children, silenced_hooks
 from .forms import Slot, is_plain_linear, swapped
@@ -351,7 +351,8 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
     where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
     if named and not fast:  # the generic form asked for: the names suffice, no need to run the forward
         return Recognized("generic", tuple(slots), reason="form='generic' was asked for")
-    with gathered_for_probe([s.get() for s in slots]):  # ZeRO-3: whole parameters while the probe runs
+    # ZeRO-3: whole parameters while the probe runs (a collective: every rank enables tiling, in order)
+    with gathered([s.get() for s in slots]):
         return _recognize_by_probe(module, forward, slots, linears, hiddens, named, where, fast)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .distributed.deepspeed import full_shape, gathered_for_probe
+from .distributed.deepspeed import full_shape, gathered
 from .distributed.detect import is_dtensor
 from .forms import Slot
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
@@ -147,7 +147,7 @@ def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:
 def recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Recognized:
     """The MoE form for an experts module (kind ``"moe"``, layout an :class:`ExpertsLayout` over ``slots``
     with ``computes`` saying what it computes), or kind ``"generic"`` with the reason it cannot be used."""
-    with gathered_for_probe([s.get() for s in slots]):  # ZeRO-3: whole weights while the probe runs
+    with gathered([s.get() for s in slots]):  # ZeRO-3: whole weights while the probe runs
         return _recognize_experts(module, forward, slots)
 
 

@@ -67,3 +67,14 @@ def test_autotp_projections_refused_before_patching(monkeypatch):
     with pytest.raises(ValueError, match="AutoTP"):
         tiledmlp.enable_tiling(model)
     assert tiledmlp.tiled_modules(model) == {} and "forward" not in model[0].__dict__
+
+
+def test_loss_without_deepspeed_installed(monkeypatch):
+    """Plain tensors never reach DeepSpeed: the functional loss works where DeepSpeed cannot be imported."""
+    monkeypatch.setitem(__import__("sys").modules, "deepspeed.runtime.zero.partition_parameters", None)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 7, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True)
+    labels = torch.randint(24, (2, 7))
+    got = tiledmlp.tiled_linear_cross_entropy(hidden, weight, labels)
+    ref = torch.nn.functional.cross_entropy((hidden @ weight.t()).flatten(0, 1), labels.flatten())
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)

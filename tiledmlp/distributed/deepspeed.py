@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 __all__ = ["is_zero3_param", "is_zero_managed", "in_deepspeed_engine", "zero_hook_count", "full_shape",
-           "check_deepspeed_module", "gathered", "gathered_for_backward", "hidden_zero_hooks", "gathered_for_probe",
-           "hold"]
+           "check_deepspeed_module", "gathered", "gathered_for_backward", "hidden_zero_hooks", "hold"]
 
 # ZeRO-3's module hooks are closures defined in this module (fetch/release around forward and backward).
 _ZERO3_HOOKS_MODULE = "deepspeed.runtime.zero.parameter_offload"
@@ -207,6 +206,8 @@ def _gather(params: Iterable[torch.Tensor], module: Optional[nn.Module] = None) 
 
 def _release(params: Sequence[torch.Tensor]) -> None:
     """Partition again what this module gathered, unless a ZeRO module hook has started using it since."""
+    if not params:  # nothing gathered (no ZeRO-3 parameter): DeepSpeed need not even be installed
+        return
     available = _status().AVAILABLE
     free = [p for p in params if p.ds_status == available and not p.ds_active_sub_modules]
     if free:
@@ -221,14 +222,6 @@ def gathered(params: Iterable[torch.Tensor], module: Optional[nn.Module] = None)
         yield need
     finally:
         _release(need)
-
-
-def gathered_for_probe(params: Sequence[torch.Tensor]) -> ContextManager[Any]:
-    """Recognition at enable time: the candidate's parameters gathered while the probe computes (a
-    collective: every rank enables tiling, in the same order). A no-op without ZeRO-3."""
-    if not any(is_zero3_param(p) for p in params):
-        return contextlib.nullcontext()
-    return gathered(params)
 
 
 #: the "module" that holds parameters in ZeRO-3's ``ds_active_sub_modules`` between a head's call and its loss
