@@ -14,7 +14,7 @@ FLOP and memory counters — and do not change the form: they see the tiled modu
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
@@ -34,18 +34,24 @@ def hooked_children(module: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def silenced_hooks(module: nn.Module) -> Iterator[None]:
-    """Every forward hook and pre-hook of ``module``'s submodules suspended (restored in order on exit):
-    the recognition probe's random tokens are not the user's data, and ``parallelize_module``'s hooks
-    would redistribute the gathered full weights' outputs."""
+def silenced_hooks(module: nn.Module, which: Optional[Callable[[Any], bool]] = None) -> Iterator[None]:
+    """The forward hooks and pre-hooks of ``module``'s submodules (``which``: only those it accepts)
+    suspended, and restored in their order on exit. Every hook for the recognition probe: its random tokens
+    are not the user's data, and ``parallelize_module``'s hooks would redistribute the gathered full weights'
+    outputs. ZeRO-3's hooks for the ``deepspeed`` strategy's shards (``distributed/deepspeed.py``)."""
     saved = []
     for name, m in module.named_modules():
         for table in (m._forward_hooks, m._forward_pre_hooks):
-            if name and table:
+            silenced = [k for k, fn in table.items() if which is None or which(fn)] if name else []
+            if silenced:
                 saved.append((table, dict(table)))
-                table.clear()
+                for k in silenced:
+                    del table[k]
     try:
         yield
     finally:
         for table, before in saved:
+            added = {k: fn for k, fn in table.items() if k not in before}
+            table.clear()
             table.update(before)
+            table.update(added)

@@ -73,7 +73,7 @@ def experts_interface(module: nn.Module, forward: Callable[..., Any]) -> bool:
 
 def _shape(module: nn.Module, name: str) -> tuple[int, ...]:
     """A parameter's whole shape, also while ZeRO-3 keeps it partitioned."""
-    return tuple(full_shape(dict(module._parameters.items())[name]))
+    return tuple(full_shape(Slot(module, name).get()))
 
 
 def _layouts(module: nn.Module, index: dict[str, int]) -> list[tuple[str, ExpertsLayout]]:

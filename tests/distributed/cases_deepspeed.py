@@ -19,13 +19,13 @@ from typing import Any, Callable, Optional
 import deepspeed
 import torch
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
 from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral
 from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
                     count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
                     use_apply)
-from transformers import LlamaConfig, LlamaForCausalLM
 
 CASES, case = registry()
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.distributed.deepspeed import hidden_zero_hooks
+from tiledmlp.distributed.deepspeed import is_zero_hook
 from tiledmlp.forms import Slot
-from tiledmlp.hooks import hooked_children
+from tiledmlp.hooks import hooked_children, silenced_hooks
 
 from unit_helpers import llama_mlp
 
@@ -48,7 +48,7 @@ def test_zero_hooks_are_hidden_and_restored_user_hooks_kept():
     assert hooked_children(mlp) == [], "ZeRO-3's hooks are the strategy's job, not a reason for the generic form"
     mlp.up_proj.register_forward_pre_hook(lambda m, a: calls.append("user"))
     assert hooked_children(mlp) == ["up_proj"]
-    with hidden_zero_hooks(mlp):
+    with silenced_hooks(mlp, is_zero_hook):
         assert len(mlp.gate_proj._forward_pre_hooks) == 0
         mlp(torch.randn(2, 32))
     assert calls == ["user"] and len(mlp.gate_proj._forward_pre_hooks) == 1

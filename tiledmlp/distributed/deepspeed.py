@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 __all__ = ["is_zero3_param", "is_zero_managed", "in_deepspeed_engine", "zero_hook_count", "full_shape",
-           "check_deepspeed_module", "gathered", "gathered_for_backward", "hidden_zero_hooks", "hold"]
+           "check_deepspeed_module", "gathered", "gathered_for_backward", "is_zero_hook", "hold"]
 
 # ZeRO-3's module hooks are closures defined in this module (fetch/release around forward and backward).
 _ZERO3_HOOKS_MODULE = "deepspeed.runtime.zero.parameter_offload"
@@ -95,20 +95,26 @@ def _closure_chain(fn: Any, depth: int = 3) -> Iterator[Any]:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if depth and callable(value) and hasattr(value, "__code__") or hasattr(value, "__wrapped__"):
+        if depth and (hasattr(value, "__code__") or hasattr(value, "__wrapped__")):
             yield from _closure_chain(value, depth - 1)
         else:
             yield value
 
 
-def _is_zero_hook(fn: Any) -> bool:
+def is_zero_hook(fn: Any) -> bool:
+    """Whether a module hook is one of ZeRO-3's parameter fetch/release hooks.
+
+    A generic-form shard calls the module's children; these hooks would fetch and release parameters once
+    per shard (collectives that depend on the shard count), record the children in ZeRO's trace once per
+    shard, and fail on the detached parameters the recompute swaps in. The strategy gathers instead and
+    silences them while shards run (``hooks.silenced_hooks``)."""
     return any(getattr(f, "__module__", None) == _ZERO3_HOOKS_MODULE and hasattr(f, "__code__")
                for f in _closure_chain(fn))
 
 
 def zero_hook_count(m: nn.Module) -> int:
     """How many of ``m``'s hooks are ZeRO-3's parameter fetch/release hooks (the strategy does their job)."""
-    return sum(_is_zero_hook(fn) for t in _HOOK_TABLES for fn in (getattr(m, t, None) or {}).values())
+    return sum(is_zero_hook(fn) for t in _HOOK_TABLES for fn in (getattr(m, t, None) or {}).values())
 
 
 def _autotp_layers(module: nn.Module) -> list[str]:
@@ -129,33 +135,6 @@ def check_deepspeed_module(label: str, module: nn.Module) -> None:
             "sequence lengths would issue different collectives. Enable tiling without AutoTP (tensor_parallel."
             "autotp_size 1), or use PyTorch tensor parallelism (parallelize_module), whose 'tp' strategy tiles "
             "between the untiled module's collectives.")
-
-
-@contextlib.contextmanager
-def hidden_zero_hooks(module: nn.Module) -> Iterator[None]:
-    """ZeRO-3's forward hooks on ``module``'s descendants suspended (restored in order on exit).
-
-    Why: a generic-form shard calls the children; their hooks would fetch and release parameters once
-    per shard (collectives that depend on the shard count), record the children in ZeRO's trace once per
-    shard, and fail on the detached parameters the recompute swaps in. The strategy has gathered them.
-    """
-    saved = []
-    for name, m in module.named_modules():
-        if not name:
-            continue
-        for table_name in _HOOK_TABLES:
-            table = getattr(m, table_name)
-            zero = {k: fn for k, fn in table.items() if _is_zero_hook(fn)}
-            if zero:
-                saved.append((table, dict(table)))
-                for k in zero:
-                    del table[k]
-    try:
-        yield
-    finally:
-        for table, before in saved:
-            table.clear()
-            table.update(before)
 
 
 def _status() -> Any:
@@ -198,7 +177,8 @@ def _gather(params: Iterable[torch.Tensor], module: Optional[nn.Module] = None) 
     if not params:
         return []
     _settle_in_flight(params, module)
-    need = [p for p in params if p.ds_status == _status().NOT_AVAILABLE]
+    partitioned = _status().NOT_AVAILABLE
+    need = [p for p in params if p.ds_status == partitioned]
     if need:
         need[0].all_gather_coalesced(need).wait()
     return need
@@ -231,8 +211,9 @@ _HOLDER = -1
 def hold(params: Iterable[torch.Tensor]) -> Optional[Callable[[], None]]:
     """Keep the gathered ZeRO-3 ones among ``params`` gathered (ZeRO's releases skip a parameter a module is
     still using) until the returned release runs; None if there is nothing to hold."""
-    available = _status().AVAILABLE if _deepspeed() is not None else None
-    held = [p for p in params if is_zero3_param(p) and p.ds_status == available]
+    held = [p for p in params if is_zero3_param(p)]
+    available = _status().AVAILABLE if held else None
+    held = [p for p in held if p.ds_status == available]
     if not held:
         return None
     for p in held:

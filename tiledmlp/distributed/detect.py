@@ -7,7 +7,8 @@ two run-time signals that work when tiling was enabled *before* the model was wr
   duration of its forward (``DistributedDataParallel._active_ddp_module``);
 * DeepSpeed wraps the model in a ``DeepSpeedEngine`` (seen when tiling is enabled on the engine); its
   ZeRO-3 partitions every parameter and its ZeRO-1/2 optimizer links every trainable one to an fp32
-  partition, marks the parameters carry from ``deepspeed.initialize`` on (``deepspeed.is_zero_managed``);
+  partition, marks the parameters carry from ``deepspeed.initialize`` on (``deepspeed.py``:
+  ``is_zero_managed``);
 * FSDP2's ``fully_shard`` changes the class of the modules it shards, in place, so the tree we keep
   a reference to shows it; FSDP1 replaces children with ``FullyShardedDataParallel`` wrappers in that
   tree, or (root-only wrapping) turns the MLP's parameters into views of a flat parameter, which the
@@ -105,8 +106,9 @@ def detect_wrapping(path: Sequence[nn.Module], flat_param_views: bool = False, z
 
     ``flat_param_views`` says the parameter slots no longer hold ``nn.Parameter`` objects (FSDP1 with
     ``use_orig_params=False``); ``zero_params`` that DeepSpeed ZeRO manages them. The innermost sharding
-    wrapper wins; DeepSpeed comes next, and DDP only counts when nothing shards the parameters. Tensor parallelism is not a wrapping: ``tensor_parallel.tp_plan`` reads it
-    off the MLP's projections, and its strategy composes with the wrapping's.
+    wrapper wins; DeepSpeed comes next, and DDP only counts when nothing shards the parameters. Tensor
+    parallelism is not a wrapping: ``tensor_parallel.tp_plan`` reads it off the MLP's projections, and its
+    strategy composes with the wrapping's.
     """
     fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_type()
     for mod in reversed(path):

@@ -48,13 +48,14 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 import torch
 from torch import nn
 
+from ..hooks import silenced_hooks
 from ..mlp_form import MLPLayout
 from . import deepspeed as ds
 from .detect import Wrapping, is_dtensor, storage_freed
 from .tensor_parallel import Localized, TPPlan, localize
 
-__all__ = ["Strategy", "DeepSpeedStrategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced",
-           "owning_units"]
+__all__ = ["Strategy", "DeepSpeedStrategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for",
+           "validate_forced", "owning_units"]
 
 
 class Strategy:
@@ -255,7 +256,7 @@ class DeepSpeedStrategy(Strategy):
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
-        with ds.gathered(module.parameters(), module), ds.hidden_zero_hooks(module):
+        with ds.gathered(module.parameters(), module), silenced_hooks(module, ds.is_zero_hook):
             yield
 
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
@@ -269,14 +270,13 @@ class DeepSpeedStrategy(Strategy):
 
     def backward_context(self, params: Sequence[torch.Tensor],
                          module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
-        def context() -> ContextManager:
-            stack = contextlib.ExitStack()
-            stack.enter_context(ds.gathered_for_backward(params, module))
-            if module is not None:
-                stack.enter_context(ds.hidden_zero_hooks(module))
-            return stack
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            hooks = silenced_hooks(module, ds.is_zero_hook) if module is not None else contextlib.nullcontext()
+            with ds.gathered_for_backward(params, module), hooks:
+                yield
 
-        return context
+        return recompute
 
     def delivery_context(self, params: Sequence[torch.Tensor],
                          module: Optional[nn.Module] = None) -> Callable[[], ContextManager]:
