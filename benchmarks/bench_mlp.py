@@ -351,7 +351,7 @@ def build_eager_compiled(shape: Shape, state: dict[str, torch.Tensor], dtype: to
 
 def build_tiledmlp_compiled(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
                             options: dict[str, Any]) -> Runner:
-    """The tiled block under ``torch.compile`` (each tiled call is one graph break: the shards run eagerly)."""
+    """The tiled block under ``torch.compile`` (each tiled call is one ``tiledmlp::tiled_call`` operator in its graph)."""
     runner = build_tiledmlp(shape, state, dtype, options)
     return Runner(runner.module, torch.compile(runner.module, backend=compile_backend()), runner.form)
 

@@ -4,7 +4,8 @@
 ``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``,
 ``"mlp"``: the fast forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's
 own forward, recomputed (also a whole MoE block whose experts the MoE form cannot compute); ``"loss"``: the tiled LM head + cross-entropy), why it is generic when it is, which strategy
-serves it under the model's current wrapping, and how a call of ``seq_len`` tokens would be cut
+serves it under the model's current wrapping, what its calls do inside ``torch.compile``d code
+(``under_compile``: one operator in the graph, or the eager call and why), and how a call of ``seq_len`` tokens would be cut
 (shards, tokens per shard, intermediate blocks) with the scratch that costs. Scratch is what the
 shard policy sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and
 one ``dh`` block per backward shard), the MoE form's rows (at the model config's top-k), the loss's
@@ -44,6 +45,8 @@ class TileInfo:
     reason: str  # why the module is generic ("" otherwise)
     computes: str  # what a fast form computes, in the module's names ("" for the others)
     policy: str  # the shard policy, in words
+    # what a call does inside torch.compile'd code: "operator" (one graph node), or the eager path and why
+    under_compile: str = ""
     tokens: Optional[int] = None  # the sequence length the figures below are for
     num_shards: Optional[int] = None
     shard_tokens: Optional[int] = None  # tokens per (backward) shard
@@ -126,7 +129,8 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
         return _loss_info(name, state, strategy, tokens)
     policy = spec.policy
     base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
-                policy=_policy_words(policy), tokens=tokens)
+                policy=_policy_words(policy), tokens=tokens,
+                under_compile="operator" if state.traced is not None else "eager call, one graph break (generic form)")
     params = _params(state)
     if tokens is None or params is None:
         return TileInfo(**base)
@@ -174,7 +178,8 @@ def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[in
     options = spec.options
     words = f"mode {options.mode}" + (f", {options.scratch_mib} MiB budget" if options.scratch_mib else "")
     base = dict(name=name, form="loss", strategy=strategy, reason="", policy=words, tokens=tokens,
-                computes=f"LM head + cross-entropy of {spec.owner.name}")
+                computes=f"LM head + cross-entropy of {spec.owner.name}",
+                under_compile="untiled loss (real logits); tiled when the head runs outside compiled code")
     params = _params(state)
     if tokens is None or params is None:
         return TileInfo(**base)

@@ -60,7 +60,7 @@ from torch.profiler import record_function
 
 from .accumulate import GradAccumulator
 
-__all__ = ["AutocastReplay", "Form", "TileCall", "run_tiled", "in_shard"]
+__all__ = ["AutocastReplay", "Form", "TileCall", "backward_shards", "forward_shards", "run_tiled", "in_shard"]
 
 _state = threading.local()
 
@@ -237,7 +237,7 @@ class AutocastReplay:
         return stack
 
 
-def _forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
+def forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
                     token_inputs: Sequence[torch.Tensor] = (), dx: Optional[torch.Tensor] = None,
                     grads: Optional[GradAccumulator] = None) -> tuple[Optional[torch.Tensor], ...]:
     """Run every shard and write its outputs into buffers allocated once, at the first shard.
@@ -308,14 +308,14 @@ class TiledMLPFunction(torch.autograd.Function):
             grads = call.accumulator(params, ctx.needs_input_grad[4:], x.shape[0])
             dx = torch.empty_like(x) if needs_x else None
             with record_function("tiledmlp::forward"):
-                outs = _forward_shards(call, x, params, (), dx, grads)
+                outs = forward_shards(call, x, params, (), dx, grads)
             ctx.forward_grads = [dx, *grads.results()]
             ctx.around_delivery = call.around_delivery
             ctx.call = ctx.params = None  # backward needs neither: release the form's scratch and side inputs
         else:
             ctx.save_for_backward(*token_inputs, *((x,) if keeper is None else ()))
             with record_function("tiledmlp::forward"):
-                outs = _forward_shards(call, x, params, token_inputs)
+                outs = forward_shards(call, x, params, token_inputs)
         # How backward sees each output gradient: [tokens, ...], like the form's shard outputs.
         ctx.rows_shapes = [None if o is None else (x.shape[0], *o.shape[len(call.lead_shape) if leading else 1:])
                            for o, leading in zip(outs, call.form.leading_outputs)]
@@ -332,30 +332,38 @@ class TiledMLPFunction(torch.autograd.Function):
                 dx, *param_grads = _hand_out_forward_grads(ctx, grad_outputs)
             return (None, dx, None, None, *param_grads)
         n, saved = ctx.n, ctx.saved_tensors
-        token_inputs = saved[:n]
         (x,) = ctx.keeper.saved_tensors if ctx.keeper is not None else saved[n:]
-        params = ctx.params
-        needs_x = ctx.needs_input_grad[1]
-        bounds = _shard_bounds(x.shape[0], call.shard_rows)
-        grads = call.accumulator(params, ctx.needs_input_grad[4 + n:], x.shape[0])
-        dx = torch.empty_like(x) if needs_x else None
-        d_inputs = [torch.empty_like(t) if need else None for t, need in zip(token_inputs, ctx.needs_input_grad[4:])]
         grad_outputs = [None if g is None else g.reshape(shape) for g, shape in zip(grad_outputs, ctx.rows_shapes)]
-        if all(g is None for g in grad_outputs):  # no output was used: nothing to recompute
-            zeros = [None if t is None else t.zero_() for t in (dx, *d_inputs)]
-            return (None, zeros[0], None, None, *zeros[1:], *grads.results())
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
-        with record_function("tiledmlp::backward"), call.around_backward(), rng, ctx.autocast():
-            for start, stop in bounds:
-                shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
-                side = tuple(t[start:stop] for t in (*token_inputs, *call.side))
-                extra = {"dside_out": [None if d is None else d[start:stop] for d in d_inputs]} if n else {}
-                with record_function("tiledmlp::backward_shard"), _shard_scope():
-                    call.form.backward_shard(
-                        x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side,
-                        **extra
-                    )
-        return (None, dx, None, None, *d_inputs, *grads.results())
+        with rng, ctx.autocast():
+            dx, d_inputs, param_grads = backward_shards(call, x, ctx.params, saved[:n], grad_outputs,
+                                                        ctx.needs_input_grad[1], ctx.needs_input_grad[4:])
+        return (None, dx, None, None, *d_inputs, *param_grads)
+
+
+def backward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
+                    token_inputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optional[torch.Tensor]],
+                    needs_x: bool, needs: Sequence[bool]) -> tuple[Optional[torch.Tensor], list, list]:
+    """``(dx, token inputs' gradients, parameters' gradients)`` of one tiled call, recomputing it shard by
+    shard inside the strategy's backward context. ``grad_outputs`` are seen as ``[tokens, ...]``;
+    ``needs``: per token input, then per parameter, whether it wants a gradient."""
+    n = len(token_inputs)
+    grads = call.accumulator(params, needs[n:], x.shape[0])
+    dx = torch.empty_like(x) if needs_x else None
+    d_inputs = [torch.empty_like(t) if need else None for t, need in zip(token_inputs, needs)]
+    if all(g is None for g in grad_outputs):  # no output was used: nothing to recompute
+        zeros = [None if t is None else t.zero_() for t in (dx, *d_inputs)]
+        return zeros[0], zeros[1:], grads.results()
+    with record_function("tiledmlp::backward"), call.around_backward():
+        for start, stop in _shard_bounds(x.shape[0], call.shard_rows):
+            shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
+            side = tuple(t[start:stop] for t in (*token_inputs, *call.side))
+            extra = {"dside_out": [None if d is None else d[start:stop] for d in d_inputs]} if n else {}
+            with record_function("tiledmlp::backward_shard"), _shard_scope():
+                call.form.backward_shard(
+                    x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side, **extra
+                )
+    return dx, d_inputs, grads.results()
 
 
 def _hand_out_forward_grads(ctx, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
@@ -410,4 +418,4 @@ def run_tiled(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tensor],
             return TiledMLPFunction.apply(call, x, x.grad_fn, n, *tensors)
         return TiledMLPFunction.apply(call, x, None, n, *tensors)
     with torch.no_grad():
-        return _forward_shards(call, x, params, token_inputs)
+        return forward_shards(call, x, params, token_inputs)

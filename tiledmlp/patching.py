@@ -22,25 +22,31 @@ instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import inspect
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from .distributed.deepspeed import check_deepspeed_module, is_zero_managed
-from .distributed.detect import Wrapping, detect_wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
+from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
+                                 module_path)
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .distributed.tensor_parallel import TPPlan, tp_plan
 from .forms import Slot
-from .function import in_shard
+from .compiled import module_key, tiled_call
+from .function import backward_shards, forward_shards, in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
 from .hooks import hooked_children
 from .logs import warn_once
+from .mlp_form import MLPLayout
 from .recognize import Recognized, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
@@ -167,6 +173,9 @@ class TilingState:
     computes: str = ""  # what a fast form computes, in the module's own names
     # The MoE form's token inputs beside the hidden states: the routing indices' and weights' names
     token_input_names: tuple = ()
+    # How a compiled call reaches this module's tensors (None: compiled calls take the eager path)
+    traced: Optional[TracedCall] = None
+    key: Optional[torch.Tensor] = None  # names this module to the compiled call's operators (set by install)
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:
@@ -187,6 +196,46 @@ class TilingState:
 
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
         return {**self.__dict__, "path": [], "_auto": {}}
+
+    # The implementations of the compiled call's operators (``compiled.py``): the eager call, cut at the
+    # autograd node, on the tensors the compiled graph passes.
+
+    def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
+                   token_inputs: list[torch.Tensor]) -> torch.Tensor:
+        strategy = self.strategy(module)
+        with record_function("tiledmlp::call"), strategy.forward_context(module):
+            run = self.spec.prepare(strategy, module, None, x, params, token_inputs=token_inputs)
+            with record_function("tiledmlp::forward"):
+                (out,) = forward_shards(run.call, run.x, run.params, run.token_inputs)
+        return out
+
+    def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
+                    token_inputs: list[torch.Tensor], needs: list[bool]) -> list[Optional[torch.Tensor]]:
+        """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
+        gradient at its first position only, as autograd sums the positions)."""
+        run = self.spec.prepare(self.strategy(module), module, None, x, params, token_inputs=token_inputs)
+        n = len(token_inputs)
+        need_params = needs[1 + n:]
+        unique_needs = [any(need for need, u in zip(need_params, run.index) if u == j) for j in range(len(run.params))]
+        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, run.params, run.token_inputs,
+                                                     [grad.reshape(run.x.shape[0], -1)], needs[0],
+                                                     [*needs[1:1 + n], *unique_needs])
+        first = {u: i for i, u in reversed(list(enumerate(run.index)))}
+        param_grads = [unique_grads[u] if need and first[u] == i else None
+                       for i, (u, need) in enumerate(zip(run.index, need_params))]
+        return [None if dx is None else dx.view(x.shape),
+                *[None if d is None else d.view(t.shape) for d, t in zip(d_tokens, token_inputs)], *param_grads]
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """What traced code needs to call a fast form's operator (``compiled.py``): each parameter slot as a path
+    from the module (``"gate_proj.weight"``; getattr from the module, so Dynamo guards nothing per layer)
+    and where the output's width is read (``params[out_slot].shape[out_axis]``; -1: the input's width)."""
+
+    slot_paths: tuple[str, ...]
+    out_slot: int
+    out_axis: int
 
 
 def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
@@ -228,20 +277,76 @@ def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
 
-class TiledForward:
-    """The instance ``forward`` installed on a tiled module. A small class rather than a bound method
-    so that pickling and deep copies of the model keep tiling."""
+def _tiled_method(module: nn.Module, *args, **kwargs):
+    """The ``forward`` installed on a tiled module, as a method bound to it (:func:`tiled_forward_of`).
 
-    __slots__ = ("module",)
+    A bound method, not a callable object or a partial: Dynamo guards a patched ``forward`` by identity
+    unless it is a method, whose function it guards instead — the same for every layer, so compiled layers
+    share graphs. Copies of a method rebind it to the copied module; pickles go through
+    :func:`_reduce_method`."""
+    if torch.compiler.is_compiling():
+        return _traced_forward(module, args, kwargs)
+    return _tiled_forward(module, *args, **kwargs)
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
 
-    def __call__(self, *args, **kwargs):
-        return _tiled_forward(self.module, *args, **kwargs)
+def tiled_forward_of(module: nn.Module) -> types.MethodType:
+    return types.MethodType(_tiled_method, module)
 
-    def __reduce__(self):
-        return (TiledForward, (self.module,))
+
+def _reduce_method(method: types.MethodType):
+    """Pickles a tiled forward as "the tiled forward of this module" (a bound method otherwise pickles as
+    ``getattr(module, name)``, which an unpickled module cannot answer yet); any other method as usual."""
+    if method.__func__ is _tiled_method:
+        return (tiled_forward_of, (method.__self__,))
+    return method.__reduce__()
+
+
+copyreg.pickle(types.MethodType, _reduce_method)
+
+
+def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
+    """A tiled module's call as Dynamo traces it: one ``tiledmlp::tiled_call`` operator for a fast form
+    (``compiled.py``), the untiled forward where one shard would do, else the eager call (one graph break,
+    said once)."""
+    state: TilingState = module.__dict__[STATE_ATTR]
+    if state.traced is None:
+        return _eager_call(module, "its generic form runs the module's own code per shard", args, kwargs)
+    original = _original_forward(module)
+    if state.kind == "moe":
+        names = (state.input_name, *state.token_input_names)
+        values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+        x, *token_inputs = values
+        extra = list(args[3:]) + [v for k, v in kwargs.items() if k not in names]
+        if not all(isinstance(t, torch.Tensor) for t in values) or token_inputs[0].shape[:-1] != x.shape[:-1] \
+                or token_inputs[1].shape != token_inputs[0].shape:
+            return original(*args, **kwargs)
+    else:
+        x, _ = _split_input(state, args, kwargs)
+        token_inputs = []
+        extra = list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return original(*args, **kwargs)
+    if x.numel() == 0 or not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1],
+                                                                                    x.shape[-1], True):
+        return original(*args, **kwargs)
+    if extra:
+        return _eager_call(module, "it was called with arguments besides its input", args, kwargs)
+    params = [functools.reduce(getattr, path.split("."), module) for path in state.traced.slot_paths]
+    if any(is_dtensor(p) or hasattr(p, "ds_id") for p in params):
+        return _eager_call(module, "its parameters are sharded (DTensor or ZeRO-3) and its strategy gathers "
+                           "them", args, kwargs)
+    if hooked_children(module):
+        return _eager_call(module, "hooks are registered on its children", args, kwargs)
+    return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis)
+
+
+@torch.compiler.disable
+def _eager_call(module: nn.Module, reason: str, args: tuple, kwargs: dict):
+    """The eager tiled call from compiled code (a graph break), said once per reason."""
+    warn_once(("compile", reason), "%s (and any other tiled module for this reason): under torch.compile its "
+              "tiled call runs eagerly, one graph break per call, because %s", module.__dict__[STATE_ATTR].spec.name,
+              reason)
+    return _tiled_forward(module, *args, **kwargs)
 
 
 @torch.compiler.disable
@@ -363,10 +468,25 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
         names = _input_names(_original_forward(module))
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
                                    forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
-                                   token_input_names=tuple(names[1:3]) if rec.kind == "moe" else ())
+                                   token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
+                                   traced=_traced_call(module, rec))
     if loss is not None:
         states.update(_plan_heads(model, strategy, loss))
     return states
+
+
+def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
+    """How compiled code calls ``module``'s fast form (None for the generic form, or a parameter that does not
+    live under the module)."""
+    if rec.layout is None:
+        return None
+    paths = {m: name for name, m in module.named_modules()}
+    if any(slot.owner not in paths for slot in rec.slots):
+        return None
+    slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
+    if isinstance(rec.layout, MLPLayout):
+        return TracedCall(slot_paths, rec.layout.down.weight, 1 if rec.layout.down.transposed else 0)
+    return TracedCall(slot_paths, -1, 0)  # the experts' output has the hidden states' width
 
 
 def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[str, TilingState]:
@@ -409,7 +529,8 @@ def install(model: nn.Module, states: dict[str, TilingState]) -> None:
             module.forward = TiledHeadForward(state, _original_forward(module))
             patch_owner(modules[state.spec.owner.module_name], state.spec.owner, state)
         else:
-            module.forward = TiledForward(module)
+            state.key = module_key(module)
+            module.forward = tiled_forward_of(module)
 
 
 def _restore(module: nn.Module) -> None:

@@ -18,13 +18,14 @@ from torch import nn
 from torch.profiler import record_function
 
 from .distributed.strategies import Strategy
+from .distributed.tensor_parallel import Localized
 from .forms import ModuleForm, Slot
 from .mlp_form import MLPForm, MLPLayout
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
 from .function import TileCall, run_tiled
 from .sharding import ShardPolicy, moe_scratch_per_token
 
-__all__ = ["TiledCallSpec", "dedupe"]
+__all__ = ["PreparedCall", "TiledCallSpec", "dedupe"]
 
 
 def dedupe(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -75,46 +76,68 @@ class TiledCallSpec:
                  x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
         """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form). ``token_inputs``:
         a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens)."""
-        hidden = x.shape[-1]
         with record_function("tiledmlp::call"), strategy.forward_context(module):
-            tensors, index = dedupe([slot.get() for slot in self.slots])
-            strategy.check_params(self.name, tensors)
-            if self.is_moe:
-                _check_router_logits_not_recorded(self.name)
-            fast = self.layout is not None and fast_allowed
-            local = strategy.localize(self.name, x, tensors, self.layout.remap(index) if fast else None)
-            x, tensors, lay = local.x, local.params, local.layout
-            tokens = x.numel() // hidden
-            accum = self.grad_accum_dtype
-            if isinstance(lay, ExpertsLayout):
-                k = token_inputs[0].shape[-1]
-                token_inputs = tuple(t.reshape(tokens, k) for t in token_inputs)
-                itemsize = _compute_itemsize(x, tensors[lay.up])
-                per_token = moe_scratch_per_token(hidden, lay.inter(tensors), lay.up_width(tensors), k, itemsize)
-                shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
-                gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
-                form = MoEForm(lay, gate_fn)
-            elif lay is not None:
-                inter = lay.inter(tensors)
-                itemsize = _compute_itemsize(x, tensors[lay.down.weight])
-                shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
-                forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
-                form: Any = MLPForm(lay, chunks)
-                if accum is None:
-                    accum = lay.default_grad_accum_dtype
-            else:
-                shard_rows = forward_rows = self.policy.shard_rows(tokens, hidden)
-                form = ModuleForm(forward, self.slots, index, x.dim())
-            call = TileCall(
-                form=form,
-                shard_rows=shard_rows,
-                forward_rows=forward_rows,
-                lead_shape=tuple(x.shape[:-1]),
-                around_backward=strategy.backward_context(tensors, module),
-                grad_accum_dtype=accum,
-            )
-            outs = run_tiled(call, x.reshape(-1, hidden), tensors, token_inputs)
-            return outs if form.returned_tuple else local.finish(outs[0])
+            run = self.prepare(strategy, module, forward, x, [slot.get() for slot in self.slots], fast_allowed,
+                               token_inputs)
+            outs = run_tiled(run.call, run.x, run.params, run.token_inputs)
+            return outs if run.call.form.returned_tuple else run.local.finish(outs[0])
+
+    def prepare(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
+                x: torch.Tensor, tensors: Sequence[torch.Tensor], fast_allowed: bool = True,
+                token_inputs: Sequence[torch.Tensor] = ()) -> "PreparedCall":
+        """Everything but the shards: ``tensors`` (the slots' tensors, read inside the strategy's forward
+        context) deduplicated and checked, the strategy's local tensors, the form and its shard sizes."""
+        hidden = x.shape[-1]
+        tensors, index = dedupe(tensors)
+        strategy.check_params(self.name, tensors)
+        if self.is_moe:
+            _check_router_logits_not_recorded(self.name)
+        fast = self.layout is not None and fast_allowed
+        local = strategy.localize(self.name, x, tensors, self.layout.remap(index) if fast else None)
+        x, tensors, lay = local.x, local.params, local.layout
+        tokens = x.numel() // hidden
+        accum = self.grad_accum_dtype
+        if isinstance(lay, ExpertsLayout):
+            k = token_inputs[0].shape[-1]
+            token_inputs = tuple(t.reshape(tokens, k) for t in token_inputs)
+            itemsize = _compute_itemsize(x, tensors[lay.up])
+            per_token = moe_scratch_per_token(hidden, lay.inter(tensors), lay.up_width(tensors), k, itemsize)
+            shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
+            gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
+            form = MoEForm(lay, gate_fn)
+        elif lay is not None:
+            inter = lay.inter(tensors)
+            itemsize = _compute_itemsize(x, tensors[lay.down.weight])
+            shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
+            forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
+            form: Any = MLPForm(lay, chunks)
+            if accum is None:
+                accum = lay.default_grad_accum_dtype
+        else:
+            shard_rows = forward_rows = self.policy.shard_rows(tokens, hidden)
+            form = ModuleForm(forward, self.slots, index, x.dim())
+        call = TileCall(
+            form=form,
+            shard_rows=shard_rows,
+            forward_rows=forward_rows,
+            lead_shape=tuple(x.shape[:-1]),
+            around_backward=strategy.backward_context(tensors, module),
+            grad_accum_dtype=accum,
+        )
+        return PreparedCall(call, x.reshape(-1, hidden), tensors, index, tuple(token_inputs), local)
+
+
+@dataclass
+class PreparedCall:
+    """One call ready to run: the tile call, the ``[tokens, hidden]`` input and the deduplicated parameter
+    tensors (``index[i]``: the unique tensor of the ``i``-th slot), all local to this rank."""
+
+    call: TileCall
+    x: torch.Tensor
+    params: list[torch.Tensor]
+    index: list[int]
+    token_inputs: tuple[torch.Tensor, ...]
+    local: Localized
 
 
 def _compute_itemsize(x: torch.Tensor, w: torch.Tensor) -> int:

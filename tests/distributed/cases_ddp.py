@@ -31,13 +31,37 @@ def _lm(env: Env, micro: int = 1, **recipe: Any) -> Recipe:
     return Recipe(build=TinyLM, batches=token_batches(env, micro=micro), **recipe)
 
 
-def compile_blocks(model: nn.Module) -> nn.Module:
-    """torch.compile every decoder block (aot_eager: the CPU suite checks the plumbing, not kernels)."""
+class GraphCounter:
+    """An aot_eager Dynamo backend (the CPU suite checks the plumbing, not kernels) that counts the graphs it
+    compiles and the tiled operators in them."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.registry import lookup_backend
+        self.inner = lookup_backend("aot_eager")
+        self.graphs = self.tiled_ops = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.tiled_ops += sum("tiledmlp.tiled_call" in str(n.target) for n in gm.graph.nodes)
+        return self.inner(gm, example_inputs)
+
+
+def compile_blocks(model: nn.Module, counters: list) -> nn.Module:
+    """torch.compile every decoder block, with a new :class:`GraphCounter` appended to ``counters`` (Dynamo's
+    caches emptied first, so each run counts its own graphs)."""
     from common import Block
 
+    torch._dynamo.reset()
+    counters.append(GraphCounter())
     for block in [m for m in model.modules() if isinstance(m, Block)]:
-        block.compile(backend="aot_eager")
+        block.compile(backend=counters[-1])
     return model
+
+
+def with_graph_counts(metrics: dict[str, Any], counters: list) -> dict[str, Any]:
+    """``metrics`` plus the untiled and tiled runs' compiled graphs and tiled operators (``[untiled, tiled]``):
+    the tiled call must be an operator in the graph, adding no graph break (so no graph)."""
+    return {**metrics, "compiled_graphs": [c.graphs for c in counters], "tiled_ops": [c.tiled_ops for c in counters]}
 
 
 @case
@@ -45,10 +69,12 @@ def ddp_compiled_blocks(env: Env) -> dict[str, Any]:
     """Tiling, then torch.compile per block, then DDP (its default buckets: Dynamo's DDPOptimizer refuses a
     first bucket larger than the others): trains like the compiled untiled model."""
 
-    def wrap(model: nn.Module) -> nn.Module:
-        return DDP(compile_blocks(model), device_ids=[env.local_rank] if env.on_gpu else None)
+    counters: list = []
 
-    return untiled_vs_tiled(_lm(env, wrap=wrap, tile_before_wrap=True), env)
+    def wrap(model: nn.Module) -> nn.Module:
+        return DDP(compile_blocks(model, counters), device_ids=[env.local_rank] if env.on_gpu else None)
+
+    return with_graph_counts(untiled_vs_tiled(_lm(env, wrap=wrap, tile_before_wrap=True), env), counters)
 
 
 @case

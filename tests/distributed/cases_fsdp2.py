@@ -47,12 +47,13 @@ def fsdp2_lm(env: Env, unit: Optional[type], micro: int = 1, optimizer: str = "s
 @case
 def fsdp2_compiled_layer_units(env: Env) -> dict[str, Any]:
     """torchtitan's order: tiling, torch.compile per block, then fully_shard per block and the root."""
-    from cases_ddp import compile_blocks
+    from cases_ddp import compile_blocks, with_graph_counts
 
     recipe = fsdp2_lm(env, Block)
     shard = recipe.wrap
-    recipe.wrap, recipe.tile_before_wrap = (lambda model: shard(compile_blocks(model))), True
-    return untiled_vs_tiled(recipe, env)
+    counters: list = []
+    recipe.wrap, recipe.tile_before_wrap = (lambda model: shard(compile_blocks(model, counters))), True
+    return with_graph_counts(untiled_vs_tiled(recipe, env), counters)
 
 
 @case

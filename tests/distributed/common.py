@@ -357,7 +357,8 @@ class BackwardReentryCounter:
         self._handles = [m.register_forward_pre_hook(self._hook, prepend=True) for m in modules]
 
     def _hook(self, module: nn.Module, args: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        # Compiled forwards are never inside a backward (and Dynamo cannot trace the task id).
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             self.count += 1
 
     def remove(self) -> None:

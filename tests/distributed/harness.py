@@ -181,3 +181,12 @@ def assert_all_checked(suite: Suite, checked: set[str]) -> None:
     """Every case the launch ran is asserted by some test of the file."""
     ran = set().union(*(r.keys() for r in suite.ranks)) if suite.ranks else set()
     assert ran - checked == set(), f"cases run but never checked: {sorted(ran - checked)}"
+
+
+def assert_compiled_like_untiled(metrics: list[dict[str, Any]]) -> None:
+    """A compiled case (``cases_ddp.with_graph_counts``): on every rank the tiled blocks compiled into as many
+    graphs as the untiled ones (tiling adds no graph break) and their graphs hold the tiled operator."""
+    for rank, m in enumerate(metrics):
+        untiled, tiled = m["compiled_graphs"]
+        assert tiled == untiled, f"rank {rank}: {tiled} compiled graphs tiled, {untiled} untiled (a graph break)"
+        assert m["tiled_ops"][0] == 0 and m["tiled_ops"][1] > 0, f"rank {rank}: tiled operators {m['tiled_ops']}"

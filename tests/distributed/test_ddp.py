@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .harness import (
-    assert_all_checked, assert_matches_untiled, assert_same_training, assert_syncs_only_on_last_micro_batch,
+    assert_all_checked, assert_compiled_like_untiled, assert_matches_untiled, assert_same_training, assert_syncs_only_on_last_micro_batch,
     assert_tiled_like_untiled, launch,
 )
 
@@ -77,3 +77,7 @@ def test_anchor_control_is_caught(suite):
 
 def test_every_case_checked(suite):
     assert_all_checked(suite, set(STANDARD) | SPECIAL)
+
+
+def test_compiled_blocks_hold_the_tiled_operator(suite):
+    assert_compiled_like_untiled(suite.metrics("ddp_compiled_blocks"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from .harness import (
-    assert_all_checked, assert_matches_untiled, assert_syncs_only_on_last_micro_batch, assert_within_bf16_noise,
+    assert_all_checked, assert_compiled_like_untiled, assert_matches_untiled, assert_syncs_only_on_last_micro_batch, assert_within_bf16_noise,
     launch,
 )
 
@@ -65,3 +65,7 @@ def test_mixed_precision_within_bf16_noise(suite, case):
 
 def test_every_case_checked(suite):
     assert_all_checked(suite, set(STANDARD) | set(MIXED_PRECISION))
+
+
+def test_compiled_blocks_hold_the_tiled_operator(suite):
+    assert_compiled_like_untiled(suite.metrics("fsdp2_compiled_layer_units"))

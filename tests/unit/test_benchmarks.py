@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import bench_compile  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
@@ -54,6 +55,19 @@ def test_bench_decode_smoke(tmp_path):
     rows = _csv(tmp_path / "bench_decode_cpu_smoke.csv")
     assert [r["variant"] for r in rows] == ["untiled", "tiled"]
     assert all(r["same_tokens"] == "True" and float(r["ms_per_token"]) > 0 for r in rows)
+
+
+def test_bench_compile_smoke(tmp_path):
+    """Both blocks, every variant; the compiled tiled blocks compile into one graph holding the tiled operator."""
+    bench_compile.main(["--smoke", "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "bench_compile_cpu_smoke.csv")
+    assert (tmp_path / "bench_compile_cpu_smoke.png").stat().st_size > 0
+    assert {(r["block"], r["variant"]) for r in rows} == {(b, v) for b in bench_compile.SIZES for v in bench_compile.VARIANTS}
+    assert all(float(r["time_ms"]) > 0 for r in rows)
+    for r in rows:
+        if r["variant"].endswith("compiled"):
+            assert r["graphs"] == "1", r
+            assert r["tiled_ops"] == ("1" if r["variant"] == "tiled_compiled" else "0"), r
 
 
 def test_bench_mlp_styles_smoke(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import torch
 import tiledmlp
 from mlp_styles import H as STYLE_HIDDEN, STYLES
 from unit_helpers import assert_bf16_within_untiled, llama_mlp, rel_err
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 H, I, T = 1024, 2816, 8192
@@ -219,3 +223,34 @@ def test_host_offload_is_bit_identical_and_frees_the_layer_inputs():
     assert offloaded["host_buffers"] == 6 and offloaded["regions"] == offloaded["restored"] == 12
     # the 6 layer inputs the checkpoints keep are in host memory (one may still be in flight)
     assert kept_ref - kept >= 5 * layer_input, (kept_ref / 2**20, kept / 2**20)
+
+
+@pytest.mark.parametrize("block", ["mlp", "layer"])
+def test_inductor_compiled_tiled_block_matches_eager_tiled(block):
+    """inductor with ``fullgraph=True`` on CUDA, bf16: the tiled call is one operator in the graph, and the
+    compiled tiled block gives the eager tiled block's output and gradients (the operator runs the same eager
+    code; a decoder layer's attention is inductor's own, so it is compared within the untiled compile-vs-eager
+    difference)."""
+    import bench_compile
+
+    torch._dynamo.reset()
+    base = bench_compile.build_block(block, dict(hidden=H, intermediate=I, heads=8, kv_heads=4), torch.device("cuda"),
+                                     torch.bfloat16)
+    x, call = bench_compile.block_call(block, base, T, torch.device("cuda"), torch.bfloat16)
+    results = {}
+    for variant in ("tiled", "tiled_compiled", "eager", "compiled"):
+        counter = bench_compile.GraphCounter("inductor") if variant.endswith("compiled") else None
+        module = bench_compile.variant_module(base, variant, None, num_shards=4)
+        run = torch.compile(module, backend=counter, fullgraph=True) if counter is not None else module
+        xx = x.detach().clone().requires_grad_()
+        out = call(run, xx)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        results[variant] = [out.detach(), xx.grad, *[p.grad for p in module.parameters()]]
+        if variant == "tiled_compiled":
+            assert (counter.graphs, counter.tiled_ops) == (1, 1)
+    for got, want, untiled_c, untiled_e in zip(*(results[v] for v in ("tiled_compiled", "tiled", "compiled", "eager"))):
+        if block == "mlp":
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:
+            assert rel_err(got, want) <= 2 * rel_err(untiled_c, untiled_e) + 1e-3

@@ -58,7 +58,6 @@ def _fsdp1_type() -> Optional[type]:
     return FullyShardedDataParallel
 
 
-@functools.cache
 def _dtensor_type() -> Optional[type]:
     try:
         from torch.distributed.tensor import DTensor
@@ -67,9 +66,11 @@ def _dtensor_type() -> Optional[type]:
     return DTensor
 
 
+_DTENSOR = _dtensor_type()  # a plain global, not a cache: compiled code reads it without a warning
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
 
 
 def storage_freed(t: torch.Tensor) -> bool:
