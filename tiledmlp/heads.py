@@ -87,7 +87,7 @@ class LossOwner:
     calls: list = field(default_factory=list)  # the model calls in progress (innermost last)
 
     def wants_placeholder(self) -> bool:
-        return bool(self.calls) and self.calls[-1].labels
+        return len(self.calls) > 0 and self.calls[-1].labels  # len, not bool(list): Dynamo traces it (torch 2.11)
 
     def materialized(self, op: str) -> None:
         if self.calls and self.calls[-1].materialized_by is None:

@@ -290,6 +290,7 @@ def _tiled_method(module: nn.Module, *args, **kwargs):
 
 
 def tiled_forward_of(module: nn.Module) -> types.MethodType:
+    """The tiled ``forward`` of ``module``: :func:`_tiled_method` bound to it."""
     return types.MethodType(_tiled_method, module)
 
 
@@ -310,7 +311,9 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     said once)."""
     state: TilingState = module.__dict__[STATE_ATTR]
     if state.traced is None:
-        return _eager_call(module, "its generic form runs the module's own code per shard", args, kwargs)
+        reason = ("its generic form runs the module's own code per shard" if state.spec.layout is None else
+                  "its parameters do not all live under it")
+        return _eager_call(module, reason, args, kwargs)
     original = _original_forward(module)
     if state.kind == "moe":
         names = (state.input_name, *state.token_input_names)
@@ -349,8 +352,7 @@ def _eager_call(module: nn.Module, reason: str, args: tuple, kwargs: dict):
     return _tiled_forward(module, *args, **kwargs)
 
 
-@torch.compiler.disable
-def _tiled_forward(module: nn.Module, *args, **kwargs):
+def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled code takes _traced_forward
     state: TilingState = module.__dict__[STATE_ATTR]
     original = _original_forward(module)
     if state.kind == "moe":
