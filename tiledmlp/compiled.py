@@ -29,15 +29,22 @@ What crosses the operator boundary:
 
 Memory and communication are those of the eager call: the operators run it. Under compile the
 parameters are saved for backward by AOTAutograd (references, like any op that reads a weight).
-Where the operator cannot be exact (sharded DTensor or ZeRO-3 parameters, hooks on the children, extra
-arguments, the generic form, which runs user code per shard) the call keeps the eager path and one
-graph break, said once in a log line (``patching.py``).
+The generic form is an operator too: its implementation calls the module's own forward per shard (hooks on
+the children run, at run time), and its backward operator differentiates that forward per shard, with
+autograd recording switched back on inside the operator (:func:`_autograd_inside`). Its random draws
+(dropout) come from a seed the graph draws and hands to both operators, so the recompute sees the forward's
+masks. Its output is sized like its input, which the graph can only assume for a module whose Linear-like
+children map that width back to itself (checked when it runs).
+
+Where the operator cannot be exact (parameters still sharded as DTensors or ZeRO-3 partitions, hooks on a
+fast form's children, extra arguments, a generic module the graph cannot size) the call keeps the eager
+path and one graph break, said once in a log line (``patching.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -75,20 +82,56 @@ def _autocast(x: torch.Tensor, name: str) -> contextlib.AbstractContextManager:
     return torch.autocast(x.device.type, dtype=getattr(torch, name))
 
 
+@contextlib.contextmanager
+def _seeded(seed: Optional[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """The CPU generator and ``device``'s seeded with ``seed`` for the block, their states restored after (the
+    graph drew the seed from the global stream, which the block leaves untouched otherwise)."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type not in ("cpu", "meta") else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        value = int(seed.item())
+        torch.default_generator.manual_seed(value)
+        for d in devices:
+            torch.get_device_module(d).default_generators[d.index or 0].manual_seed(value)
+        yield
+
+
+#: What the dispatcher excludes below an operator's autograd kernel, so that its implementation records
+#: no graph; the generic form's backward needs a graph for its recompute (it differentiates the module's
+#: own forward), so :func:`_autograd_inside` includes them again for that block.
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.ADInplaceOrView, torch._C.DispatchKey.AutogradFunctionality,
+                  torch._C.DispatchKey.AutogradOther, torch._C.DispatchKey.AutogradNestedTensor)
+
+
+@contextlib.contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Autograd recording inside an operator's implementation (see :data:`_AUTOGRAD_KEYS`); restored on exit."""
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
+    try:
+        for k in _AUTOGRAD_KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        yield
+    finally:
+        for k, excluded in zip(_AUTOGRAD_KEYS, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
 def _none_if_empty(needed: Sequence[bool], grads: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
     return [g if need else None for need, g in zip(needed, grads)]
 
 
 @torch.library.custom_op("tiledmlp::tiled_call", mutates_args=())
-def _tiled_call(key: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
-                token_inputs: list[torch.Tensor], out_slot: int, out_axis: int, autocast: str) -> torch.Tensor:
+def _tiled_call(key: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor], token_inputs: list[torch.Tensor],
+                seed: Optional[torch.Tensor], out_slot: int, out_axis: int, autocast: str) -> torch.Tensor:
     """The tiled module's output for ``x`` (no autograd graph: ``register_autograd`` below makes the node)."""
-    with _autocast(x, autocast), torch.no_grad():
+    with _autocast(x, autocast), torch.no_grad(), _seeded(seed, x.device):
         return _state(key).op_forward(_module(key), x, params, token_inputs)
 
 
 @_tiled_call.register_fake
-def _(key, x, params, token_inputs, out_slot, out_axis, autocast):
+def _(key, x, params, token_inputs, seed, out_slot, out_axis, autocast):
     width = x.shape[-1] if out_slot < 0 else params[out_slot].shape[out_axis]
     dtype = getattr(torch, autocast) if autocast else x.dtype
     return x.new_empty((*x.shape[:-1], width), dtype=dtype)
@@ -96,41 +139,46 @@ def _(key, x, params, token_inputs, out_slot, out_axis, autocast):
 
 @torch.library.custom_op("tiledmlp::tiled_call_backward", mutates_args=())
 def _tiled_call_backward(key: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
-                         token_inputs: list[torch.Tensor], needs: list[bool], autocast: str) -> list[torch.Tensor]:
+                         token_inputs: list[torch.Tensor], seed: Optional[torch.Tensor], needs: list[bool],
+                         autocast: str) -> list[torch.Tensor]:
     """``[dx, d token inputs..., d params...]`` for the needed ones; an empty tensor for the others."""
-    with _autocast(x, autocast):
+    with _autocast(x, autocast), _seeded(seed, x.device), _autograd_inside():
         grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs)
     return [g if g is not None else x.new_empty(0) for g in grads]
 
 
 @_tiled_call_backward.register_fake
-def _(key, grad, x, params, token_inputs, needs, autocast):
+def _(key, grad, x, params, token_inputs, seed, needs, autocast):
     return [t.new_empty(t.shape) if need else x.new_empty(0)
             for t, need in zip((x, *token_inputs, *params), needs)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    key, x, params, token_inputs, _, _, autocast = inputs
-    ctx.autocast, ctx.n = autocast, len(token_inputs)
-    ctx.save_for_backward(key, x, *token_inputs, *params)
+    key, x, params, token_inputs, seed, _, _, autocast = inputs
+    ctx.autocast, ctx.n, ctx.seeded = autocast, len(token_inputs), seed is not None
+    ctx.save_for_backward(key, x, *token_inputs, *params, *((seed,) if seed is not None else ()))
 
 
 def _backward(ctx, grad: torch.Tensor):
     key, x, *rest = ctx.saved_tensors
+    seed = rest.pop() if ctx.seeded else None
     token_inputs, params = rest[:ctx.n], rest[ctx.n:]
     _, need_x, need_params, need_tokens, *_ = ctx.needs_input_grad
     needs = [bool(need_x), *map(bool, need_tokens), *map(bool, need_params)]
     grads = _none_if_empty(needs, _tiled_call_backward(key, grad.contiguous(), x, list(params),
-                                                       list(token_inputs), needs, ctx.autocast))
-    return None, grads[0], grads[1 + ctx.n:], grads[1:1 + ctx.n], None, None, None
+                                                       list(token_inputs), seed, needs, ctx.autocast))
+    return None, grads[0], grads[1 + ctx.n:], grads[1:1 + ctx.n], None, None, None, None
 
 
 _tiled_call.register_autograd(_backward, setup_context=_setup_context)
 
 
 def tiled_call(key: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor],
-               token_inputs: Sequence[torch.Tensor], out_slot: int, out_axis: int) -> torch.Tensor:
+               token_inputs: Sequence[torch.Tensor], out_slot: int, out_axis: int, stochastic: bool = False) -> torch.Tensor:
     """The operator call, as traced code makes it, for the module ``key`` names. The output has ``x``'s
-    leading dims and ``params[out_slot].shape[out_axis]`` features (``out_slot`` -1: ``x``'s width)."""
-    return torch.ops.tiledmlp.tiled_call(key, x, list(params), list(token_inputs), out_slot, out_axis,
+    leading dims and ``params[out_slot].shape[out_axis]`` features (``out_slot`` -1: ``x``'s width).
+    ``stochastic`` (the generic form: the module may draw random numbers, e.g. dropout): a seed drawn in the
+    graph is an input of both operators, so that backward recomputes the shards with the forward's draws."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if stochastic else None
+    return torch.ops.tiledmlp.tiled_call(key, x, list(params), list(token_inputs), seed, out_slot, out_axis,
                                          autocast_name(x.device.type))

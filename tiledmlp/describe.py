@@ -130,7 +130,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     policy = spec.policy
     base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
                 policy=_policy_words(policy), tokens=tokens,
-                under_compile="operator" if state.traced is not None else "eager call, one graph break (generic form)")
+                under_compile="operator" if state.traced is not None else "eager call, one graph break")
     params = _params(state)
     if tokens is None or params is None:
         return TileInfo(**base)

@@ -47,7 +47,7 @@ from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForwa
 from .hooks import hooked_children
 from .logs import warn_once
 from .mlp_form import MLPLayout
-from .recognize import Recognized, recognize_mlp
+from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
 from .sharding import ShardPolicy
@@ -204,16 +204,24 @@ class TilingState:
                    token_inputs: list[torch.Tensor]) -> torch.Tensor:
         strategy = self.strategy(module)
         with record_function("tiledmlp::call"), strategy.forward_context(module):
-            run = self.spec.prepare(strategy, module, None, x, params, token_inputs=token_inputs)
+            run = self.spec.prepare(strategy, module, _original_forward(module), x, params, token_inputs=token_inputs)
             with record_function("tiledmlp::forward"):
-                (out,) = forward_shards(run.call, run.x, run.params, run.token_inputs)
-        return out
+                outs = forward_shards(run.call, run.x, run.params, run.token_inputs)
+        if run.call.form.returned_tuple or len(outs) != 1 or outs[0] is None or outs[0].shape != x.shape:
+            # Only the generic form can get here: its outputs were sized (in the graph) like its input.
+            raise RuntimeError(
+                f"{self.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
+                f"tensor shaped like its input {tuple(x.shape)}; this one returned "
+                f"{[None if o is None else tuple(o.shape) for o in outs]}. Call it outside the compiled region, "
+                "or tiledmlp.disable_tiling(module).")
+        return outs[0]
 
     def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
                     token_inputs: list[torch.Tensor], needs: list[bool]) -> list[Optional[torch.Tensor]]:
         """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
         gradient at its first position only, as autograd sums the positions)."""
-        run = self.spec.prepare(self.strategy(module), module, None, x, params, token_inputs=token_inputs)
+        run = self.spec.prepare(self.strategy(module), module, _original_forward(module), x, params,
+                                token_inputs=token_inputs)
         n = len(token_inputs)
         need_params = needs[1 + n:]
         unique_needs = [any(need for need, u in zip(need_params, run.index) if u == j) for j in range(len(run.params))]
@@ -236,6 +244,9 @@ class TracedCall:
     slot_paths: tuple[str, ...]
     out_slot: int
     out_axis: int
+    # The generic form: the input widths the module maps back to themselves (its output is sized like its
+    # input, checked when it runs); empty for the fast forms.
+    widths: tuple[int, ...] = ()
 
 
 def _parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
@@ -311,9 +322,10 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     said once)."""
     state: TilingState = module.__dict__[STATE_ATTR]
     if state.traced is None:
-        reason = ("its generic form runs the module's own code per shard" if state.spec.layout is None else
-                  "its parameters do not all live under it")
+        reason = ("its generic form's output cannot be sized before it runs (children that are not Linear-like, "
+                  "or a whole MoE block)" if state.spec.layout is None else "its parameters do not all live under it")
         return _eager_call(module, reason, args, kwargs)
+    generic = state.spec.layout is None
     original = _original_forward(module)
     if state.kind == "moe":
         names = (state.input_name, *state.token_input_names)
@@ -330,17 +342,20 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             return original(*args, **kwargs)
     if x.numel() == 0 or not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1],
-                                                                                    x.shape[-1], True):
+                                                                                    x.shape[-1], not generic):
         return original(*args, **kwargs)
     if extra:
         return _eager_call(module, "it was called with arguments besides its input", args, kwargs)
+    if generic and x.shape[-1] not in state.traced.widths:
+        return _eager_call(module, "its input width is not one its children map back to", args, kwargs)
     params = [functools.reduce(getattr, path.split("."), module) for path in state.traced.slot_paths]
     if any(is_dtensor(p) or hasattr(p, "ds_id") for p in params):
         return _eager_call(module, "its parameters are sharded (DTensor or ZeRO-3) and its strategy gathers "
                            "them", args, kwargs)
-    if hooked_children(module):
+    if not generic and hooked_children(module):  # the generic form calls the children, hooks and all
         return _eager_call(module, "hooks are registered on its children", args, kwargs)
-    return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis)
+    return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis,
+                      stochastic=generic)
 
 
 @torch.compiler.disable
@@ -478,14 +493,16 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
 
 
 def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
-    """How compiled code calls ``module``'s fast form (None for the generic form, or a parameter that does not
-    live under the module)."""
-    if rec.layout is None:
-        return None
+    """How compiled code calls ``module``'s operator; None where it cannot: a parameter that does not live under
+    the module, or a generic form whose output cannot be sized before it runs (no Linear-like children mapping
+    a width back to itself, or a whole MoE block, whose router's outputs come along)."""
     paths = {m: name for name, m in module.named_modules()}
     if any(slot.owner not in paths for slot in rec.slots):
         return None
     slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
+    if rec.layout is None:
+        widths = hidden_sizes([lin for lin in (linear_like(n, c) for n, c in module.named_children()) if lin])
+        return TracedCall(slot_paths, -1, 0, tuple(widths)) if widths and not rec.moe_block else None
     if isinstance(rec.layout, MLPLayout):
         return TracedCall(slot_paths, rec.layout.down.weight, 1 if rec.layout.down.transposed else 0)
     return TracedCall(slot_paths, -1, 0)  # the experts' output has the hidden states' width

@@ -57,8 +57,8 @@ from .forms import Slot, is_plain_linear, swapped
 from .mlp_form import MLPForm, MLPLayout, Proj
 from .runtime import dedupe
 
-__all__ = ["Recognized", "LinearLike", "linear_like", "recognize_mlp", "activation_name", "PROBE_RTOL",
-           "PROBE_ACTIVATIONS", "MLP_NAMES"]
+__all__ = ["Recognized", "LinearLike", "hidden_sizes", "linear_like", "recognize_mlp", "activation_name",
+           "PROBE_RTOL", "PROBE_ACTIVATIONS", "MLP_NAMES"]
 
 PROBE_RTOL = 1e-5  # largest relative max-error of a matching candidate (float32, full-precision matmuls)
 PROBE_TOKENS = 16
@@ -187,7 +187,7 @@ def _candidates(linears: Sequence[LinearLike], where: dict[tuple[int, str], int]
     return out
 
 
-def _hidden_sizes(linears: Sequence[LinearLike]) -> list[int]:
+def hidden_sizes(linears: Sequence[LinearLike]) -> list[int]:
     """Hidden sizes for which two children chain ``hidden -> inter -> hidden`` (``inter`` or ``2 * inter``
     wide). Two for a plain ``H -> I -> H`` MLP read either way round: the probe tries both."""
     return list(dict.fromkeys(b.out_features for a in linears for b in linears
@@ -336,7 +336,7 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
     look like one. ``forward``: its original forward; ``fast=False``: the generic form was asked for."""
     children = dict(module.named_children())
     linears = [lin for lin in (linear_like(n, c) for n, c in children.items()) if lin is not None]
-    hiddens = _hidden_sizes(linears) if 2 <= len(linears) <= 4 else []
+    hiddens = hidden_sizes(linears) if 2 <= len(linears) <= 4 else []
     named = _named_mlp(children)
     if not hiddens:
         hf_glu = any(all(isinstance(children.get(n), nn.Module) for n in names) for names in MLP_NAMES[:2])

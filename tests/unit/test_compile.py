@@ -1,6 +1,7 @@
-"""torch.compile of tiled models (``tiledmlp/compiled.py``): a fast form's call is one ``tiledmlp::tiled_call``
-operator in the graph — no graph break, ``fullgraph=True`` works, no recompile beyond the untiled model's —
-and training matches the eager tiled model; what cannot be an operator keeps the eager call and says so.
+"""torch.compile of tiled models (``tiledmlp/compiled.py``): a tiled call (fast or generic form) is one
+``tiledmlp::tiled_call`` operator in the graph — no graph break, ``fullgraph=True`` works, no recompile beyond
+the untiled model's — and training matches the eager tiled model; what cannot be an operator keeps the eager
+call and says so.
 
 ``aot_eager`` in most tests (AOTAutograd's forward/backward split, no codegen), inductor in a few.
 """
@@ -187,29 +188,129 @@ def test_decode_compiles_the_untiled_forward():
     assert counter.ops == [0, 1]
 
 
-@pytest.mark.parametrize("case", ["generic", "hooked"])
+class SquareMLP(nn.Module):
+    """A per-token module with no Linear-like children (tiled through ``mlp_types``): the generic form, whose
+    output the graph cannot size before it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(H, H) / H**0.5)
+
+    def forward(self, x):
+        return (x @ self.w).square()
+
+
+@pytest.mark.parametrize("case", ["hooked", "unsized"])
 def test_what_cannot_be_an_operator_keeps_the_eager_call_and_says_so(case, caplog):
-    """The generic form (it runs the module's code per shard) and a fast form whose child carries a hook run
-    the eager tiled call from compiled code — a graph break, exact — with one warning naming the reason."""
+    """A fast form whose child carries a hook (the fast form would skip it), and a generic module the graph
+    cannot size, run the eager tiled call from compiled code — a graph break, exact — with one warning naming
+    the reason."""
     seen = []
-    ref = llama_mlp()
-    model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, form="generic" if case == "generic" else "auto")
     if case == "hooked":
+        ref = llama_mlp()
+        model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
         for m in (ref, model):
             m.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    else:
+        torch.manual_seed(0)
+        ref = SquareMLP()
+        model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, mlp_types=(SquareMLP,))
     x = torch.randn(2, 23, H, requires_grad=True)
     tiledmlp.logs._SAID.clear()
     with caplog.at_level(logging.WARNING, logger="tiledmlp"):
         got = torch.compile(model, backend="aot_eager")(x)
     expected = ref(x)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    reason = {"generic": "generic form", "hooked": "hooks are registered on its children"}[case]
+    reason = {"hooked": "hooks are registered on its children", "unsized": "output cannot be sized"}[case]
     assert "graph break" in caplog.text and reason in caplog.text
     if case == "hooked":
         assert len(seen) == 1 + 3  # the reference's call, then the generic form's three shards
     torch._dynamo.reset()
     with pytest.raises(Exception, match="disable|graph break|Unsupported"):
         torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_generic_form_is_an_operator_too(backend):
+    """The generic form (here forced on a GLU whose child carries a hook) is one operator: the module's own
+    forward runs per shard inside it, hooks and all, and its backward differentiates that forward per shard."""
+    seen = []
+    ref = llama_mlp()
+    model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, form="generic")
+    for m in (ref, model):
+        m.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    counter = Counter(backend)
+    x = torch.randn(2, 23, H)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [ref(xs[0]), torch.compile(model, backend=counter, fullgraph=True)(xs[1])]
+    for out in outs:
+        out.square().sum().backward()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert counter.ops == [1] and len(seen) == 1 + 3 + 3  # reference; three shards forward, three recomputed
+
+
+def test_peft_lora_layers_compile_fullgraph():
+    """A PEFT-LoRA model (its MLPs take the generic form) compiled per decoder layer with fullgraph=True trains
+    like the eager tiled model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    eager = get_peft_model(build("llama", use_cache=False),
+                           LoraConfig(r=4, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    tiledmlp.enable_tiling(eager, num_shards=3)
+    model = copy.deepcopy(eager)
+    counter = Counter()
+    for layer in model.base_model.model.model.layers:
+        layer.compile(backend=counter, fullgraph=True)
+    ids = [batch(t=t, seed=t) for t in (41, 29)]
+    for m in (eager, model):
+        _train(m, lambda i, m=m: m(input_ids=i, labels=i).loss, ids)
+    _assert_same_params(eager, model)
+    assert counter.ops and all(n == 1 for n in counter.ops)
+    assert {i.under_compile for i in tiledmlp.describe(model).values()} == {"operator"}
+
+
+class DropoutMLP(nn.Module):
+    """fc2(relu(fc1(x)) * mask) with a random mask it records: the generic form (dropout is stochastic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.masks: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        mask = (torch.rand_like(h) > 0.3).to(h.dtype)
+        self.masks.append(mask)
+        return self.fc2(h * mask)
+
+
+def test_generic_operator_recomputes_with_the_forward_random_draws():
+    """Random draws inside the generic form: the backward operator recomputes each shard with the draws of its
+    forward (a seed drawn in the graph is an input of both), so the gradients are those of the forward's
+    masks (checked against an untiled computation with the recorded masks)."""
+    torch.manual_seed(0)
+    model = tiledmlp.enable_tiling(DropoutMLP(), num_shards=3, mlp_types=(DropoutMLP,))
+    assert tiledmlp.describe(model)[""].form == "generic"
+    x = torch.randn(2, 24, H, requires_grad=True)
+    y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    y.square().sum().backward()
+    forward_masks, recomputed = model.masks[:3], model.masks[3:]
+    assert len(recomputed) == 3 and all(torch.equal(a, b) for a, b in zip(forward_masks, recomputed))
+    ref = copy.deepcopy(model)
+    tiledmlp.disable_tiling(ref)
+    ref.zero_grad()
+    xr = x.detach().clone().requires_grad_()
+    mask = torch.cat([m.reshape(-1, 2 * H) for m in forward_masks]).view(2, 24, 2 * H)
+    yr = ref.fc2(torch.relu(ref.fc1(xr)) * mask)
+    yr.square().sum().backward()
+    torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_copies_compile_against_their_own_modules():

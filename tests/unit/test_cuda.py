@@ -225,8 +225,8 @@ def test_host_offload_is_bit_identical_and_frees_the_layer_inputs():
     assert kept_ref - kept >= 5 * layer_input, (kept_ref / 2**20, kept / 2**20)
 
 
-@pytest.mark.parametrize("block", ["mlp", "layer"])
-def test_inductor_compiled_tiled_block_matches_eager_tiled(block):
+@pytest.mark.parametrize("block, form", [("mlp", "auto"), ("mlp", "generic"), ("layer", "auto")])
+def test_inductor_compiled_tiled_block_matches_eager_tiled(block, form):
     """inductor with ``fullgraph=True`` on CUDA, bf16: the tiled call is one operator in the graph, and the
     compiled tiled block gives the eager tiled block's output and gradients (the operator runs the same eager
     code; a decoder layer's attention is inductor's own, so it is compared within the untiled compile-vs-eager
@@ -240,7 +240,7 @@ def test_inductor_compiled_tiled_block_matches_eager_tiled(block):
     results = {}
     for variant in ("tiled", "tiled_compiled", "eager", "compiled"):
         counter = bench_compile.GraphCounter("inductor") if variant.endswith("compiled") else None
-        module = bench_compile.variant_module(base, variant, None, num_shards=4)
+        module = bench_compile.variant_module(base, variant, None, num_shards=4, form=form)
         run = torch.compile(module, backend=counter, fullgraph=True) if counter is not None else module
         xx = x.detach().clone().requires_grad_()
         out = call(run, xx)
