@@ -36,9 +36,10 @@ autograd recording switched back on inside the operator (:func:`_autograd_inside
 masks. Its output is sized like its input, which the graph can only assume for a module whose Linear-like
 children map that width back to itself (checked when it runs).
 
-Where the operator cannot be exact (parameters still sharded as DTensors or ZeRO-3 partitions, hooks on a
-fast form's children, extra arguments, a generic module the graph cannot size) the call keeps the eager
-path and one graph break, said once in a log line (``patching.py``).
+A fast-form module whose children carry hooks uses the generic operator, as its eager call uses the generic
+form. Where the operator cannot be exact (parameters still sharded as DTensors or ZeRO-3 partitions, extra
+arguments, a generic module the graph cannot size, hooks on a MoE experts module's children) the call keeps
+the eager path and one graph break, said once in a log line (``patching.py``).
 """
 
 from __future__ import annotations
@@ -125,9 +126,10 @@ def _none_if_empty(needed: Sequence[bool], grads: Sequence[torch.Tensor]) -> lis
 @torch.library.custom_op("tiledmlp::tiled_call", mutates_args=())
 def _tiled_call(key: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor], token_inputs: list[torch.Tensor],
                 seed: Optional[torch.Tensor], out_slot: int, out_axis: int, autocast: str) -> torch.Tensor:
-    """The tiled module's output for ``x`` (no autograd graph: ``register_autograd`` below makes the node)."""
+    """The tiled module's output for ``x`` (no autograd graph: ``register_autograd`` below makes the node); with a
+    ``seed``, by the generic form."""
     with _autocast(x, autocast), torch.no_grad(), _seeded(seed, x.device):
-        return _state(key).op_forward(_module(key), x, params, token_inputs)
+        return _state(key).op_forward(_module(key), x, params, token_inputs, generic=seed is not None)
 
 
 @_tiled_call.register_fake
@@ -143,7 +145,7 @@ def _tiled_call_backward(key: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
                          autocast: str) -> list[torch.Tensor]:
     """``[dx, d token inputs..., d params...]`` for the needed ones; an empty tensor for the others."""
     with _autocast(x, autocast), _seeded(seed, x.device), _autograd_inside():
-        grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs)
+        grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs, generic=seed is not None)
     return [g if g is not None else x.new_empty(0) for g in grads]
 
 
@@ -174,11 +176,13 @@ _tiled_call.register_autograd(_backward, setup_context=_setup_context)
 
 
 def tiled_call(key: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor],
-               token_inputs: Sequence[torch.Tensor], out_slot: int, out_axis: int, stochastic: bool = False) -> torch.Tensor:
+               token_inputs: Sequence[torch.Tensor], out_slot: int, out_axis: int,
+               generic: bool = False) -> torch.Tensor:
     """The operator call, as traced code makes it, for the module ``key`` names. The output has ``x``'s
     leading dims and ``params[out_slot].shape[out_axis]`` features (``out_slot`` -1: ``x``'s width).
-    ``stochastic`` (the generic form: the module may draw random numbers, e.g. dropout): a seed drawn in the
-    graph is an input of both operators, so that backward recomputes the shards with the forward's draws."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if stochastic else None
+    ``generic``: computed by the generic form, which may draw random numbers (dropout): a seed drawn in the
+    graph is then an input of both operators, so that backward recomputes the shards with the forward's draws
+    (the seed's presence is what tells the operators to use the generic form)."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if generic else None
     return torch.ops.tiledmlp.tiled_call(key, x, list(params), list(token_inputs), seed, out_slot, out_axis,
                                          autocast_name(x.device.type))

@@ -3,10 +3,11 @@
 
 ``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``,
 ``"mlp"``: the fast forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's
-own forward, recomputed (also a whole MoE block whose experts the MoE form cannot compute); ``"loss"``: the tiled LM head + cross-entropy), why it is generic when it is, which strategy
-serves it under the model's current wrapping, what its calls do inside ``torch.compile``d code
-(``under_compile``: one operator in the graph, or the eager call and why), and how a call of ``seq_len`` tokens would be cut
-(shards, tokens per shard, intermediate blocks) with the scratch that costs. Scratch is what the
+own forward, recomputed (also a whole MoE block whose experts the MoE form cannot compute); ``"loss"``: the
+tiled LM head + cross-entropy), why it is generic when it is, which strategy serves it under the model's
+current wrapping, what its calls do inside ``torch.compile``d code (``under_compile``: one operator in the
+graph, or the eager call), and how a call of ``seq_len`` tokens would be cut (shards, tokens per shard,
+intermediate blocks) with the scratch that costs. Scratch is what the
 shard policy sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and
 one ``dh`` block per backward shard), the MoE form's rows (at the model config's top-k), the loss's
 scratch budget; for the generic form it depends on the module's own forward and is not estimated.

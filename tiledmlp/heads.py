@@ -33,7 +33,7 @@ from torch import nn
 from .forms import Slot, is_plain_linear
 from .function import in_shard
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
-from .logs import warn_once
+from .logs import warn_once_traced
 from .loss import CrossEntropySpec, linear_cross_entropy
 
 __all__ = ["LossOptions", "LossOwner", "HeadSpec", "find_causal_lms", "TiledHeadForward", "OWNER_ATTR"]
@@ -183,21 +183,6 @@ class _CallEnd:
             self.owner.calls.pop().release_head()  # the loss released it already, unless it raised
 
 
-def _say_compiled_head_untiled(name: str) -> None:
-    """Called while Dynamo traces a tiled loss (a placeholder is not traceable, so the head returned real logits):
-    said at compile time (``comptime``: no graph break, which a log call in traced code would cause; the name is
-    read from the traced frame, as a closure over it would break the graph)."""
-    from torch._dynamo.comptime import comptime
-
-    comptime(lambda ctx: _warn_compiled_head_untiled(ctx.get_local("name").as_python_constant()))
-
-
-def _warn_compiled_head_untiled(name: str) -> None:
-    warn_once(("compiled head", name), "%s: inside a torch.compile'd region the tiled loss runs untiled (the model "
-              "materializes its T x vocab logits); compile the decoder layers instead of the whole model to keep the "
-              "tiled loss", name)
-
-
 class TiledHeadForward:
     """The instance ``forward`` of a tiled head: a logits placeholder while the model computes a loss."""
 
@@ -243,7 +228,9 @@ class TiledCausalLMLoss:
         owner = spec.owner
         if not isinstance(logits, LazyLogits) or logits.materialized:
             if torch.compiler.is_compiling():  # the head returned real logits: a placeholder is not traceable
-                _say_compiled_head_untiled(spec.name)
+                warn_once_traced(("compiled head", spec.name), "%s: inside a torch.compile'd region the tiled loss "
+                                 "runs untiled (the model materializes its T x vocab logits); compile the decoder "
+                                 "layers instead of the whole model to keep the tiled loss", spec.name)
             call = owner.calls[-1] if owner.calls else None
             if call is not None and call.materialized_by is not None:
                 raise ValueError(

@@ -21,16 +21,16 @@ from torch import nn
 from .distributed.deepspeed import zero_hook_count
 from .distributed.tensor_parallel import tp_hook_count
 
-__all__ = ["hooked_children", "silenced_hooks"]
+__all__ = ["HOOK_TABLES", "hooked_children", "silenced_hooks"]
 
-_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def hooked_children(module: nn.Module) -> list[str]:
     """Names of ``module``'s submodules (itself excluded: its hooks run around the tiled call) that carry
     hooks a fast form would skip."""
     return [name for name, m in module.named_modules() if name
-            and sum(len(getattr(m, t, None) or ()) for t in _TABLES) > tp_hook_count(m) + zero_hook_count(m)]
+            and sum(len(getattr(m, t, None) or ()) for t in HOOK_TABLES) > tp_hook_count(m) + zero_hook_count(m)]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Hashable
 
-__all__ = ["warn_once"]
+__all__ = ["warn_once", "warn_once_traced"]
 
 log = logging.getLogger("tiledmlp")
 _SAID: set[Hashable] = set()  # keys of the warnings already logged
@@ -17,3 +17,13 @@ def warn_once(key: Hashable, message: str, *args: Any) -> None:
     if key not in _SAID:
         _SAID.add(key)
         log.warning(message, *args)
+
+
+def warn_once_traced(key: Hashable, message: str, *args: Any) -> None:
+    """:func:`warn_once` from code Dynamo traces: said once, when the code is compiled (``comptime``), without
+    the graph break a log call in traced code causes. ``key``, ``message`` and ``args`` must be constants; they
+    are read from the traced frame (a closure over them would break the graph too)."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(lambda ctx: warn_once(*(ctx.get_local(name).as_python_constant() for name in ("key", "message")),
+                                   *ctx.get_local("args").as_python_constant()))

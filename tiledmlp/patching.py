@@ -44,8 +44,8 @@ from .compiled import module_key, tiled_call
 from .function import backward_shards, forward_shards, in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
-from .hooks import hooked_children
-from .logs import warn_once
+from .hooks import HOOK_TABLES, hooked_children
+from .logs import warn_once, warn_once_traced
 from .mlp_form import MLPLayout
 from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
@@ -201,14 +201,14 @@ class TilingState:
     # autograd node, on the tensors the compiled graph passes.
 
     def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
-                   token_inputs: list[torch.Tensor]) -> torch.Tensor:
+                   token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
         strategy = self.strategy(module)
         with record_function("tiledmlp::call"), strategy.forward_context(module):
-            run = self.spec.prepare(strategy, module, _original_forward(module), x, params, token_inputs=token_inputs)
+            run = self.spec.prepare(strategy, module, _original_forward(module), x, params, not generic, token_inputs)
             with record_function("tiledmlp::forward"):
                 outs = forward_shards(run.call, run.x, run.params, run.token_inputs)
         if run.call.form.returned_tuple or len(outs) != 1 or outs[0] is None or outs[0].shape != x.shape:
-            # Only the generic form can get here: its outputs were sized (in the graph) like its input.
+            # Only a generic-form module can get here: its outputs were sized (in the graph) like its input.
             raise RuntimeError(
                 f"{self.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
                 f"tensor shaped like its input {tuple(x.shape)}; this one returned "
@@ -217,11 +217,11 @@ class TilingState:
         return outs[0]
 
     def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
-                    token_inputs: list[torch.Tensor], needs: list[bool]) -> list[Optional[torch.Tensor]]:
+                    token_inputs: list[torch.Tensor], needs: list[bool], generic: bool) -> list[Optional[torch.Tensor]]:
         """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
         gradient at its first position only, as autograd sums the positions)."""
-        run = self.spec.prepare(self.strategy(module), module, _original_forward(module), x, params,
-                                token_inputs=token_inputs)
+        run = self.spec.prepare(self.strategy(module), module, _original_forward(module), x, params, not generic,
+                                token_inputs)
         n = len(token_inputs)
         need_params = needs[1 + n:]
         unique_needs = [any(need for need, u in zip(need_params, run.index) if u == j) for j in range(len(run.params))]
@@ -352,10 +352,20 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     if any(is_dtensor(p) or hasattr(p, "ds_id") for p in params):
         return _eager_call(module, "its parameters are sharded (DTensor or ZeRO-3) and its strategy gathers "
                            "them", args, kwargs)
-    if not generic and hooked_children(module):  # the generic form calls the children, hooks and all
-        return _eager_call(module, "hooks are registered on its children", args, kwargs)
+    # Submodules with hooks (the generic form calls them, hooks and all). Counted plainly: the hooks that
+    # hooked_children discounts (tensor parallel's, ZeRO-3's) come with DTensor or ZeRO-3 parameters, which took
+    # the eager call above; and reading hooks' closures, as it does, is not traceable.
+    hooked = [] if generic else [name for name, m in module.named_modules()
+                                 if name and any(len(getattr(m, table)) for table in HOOK_TABLES)]
+    if len(hooked) > 0 and state.kind == "moe":
+        return _eager_call(module, "hooks are registered on its children (the experts then run untiled)", args,
+                           kwargs)
+    if len(hooked) > 0:  # a fast form would skip them: the generic form's operator, as the eager call does
+        warn_once_traced(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the fast %s "
+                         "form does not call the children, so these calls take the generic form, which calls them "
+                         "(per shard)", state.spec.name, ", ".join(hooked), state.kind)
     return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis,
-                      stochastic=generic)
+                      generic=generic or len(hooked) > 0)
 
 
 @torch.compiler.disable

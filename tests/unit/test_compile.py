@@ -200,49 +200,41 @@ class SquareMLP(nn.Module):
         return (x @ self.w).square()
 
 
-@pytest.mark.parametrize("case", ["hooked", "unsized"])
-def test_what_cannot_be_an_operator_keeps_the_eager_call_and_says_so(case, caplog):
-    """A fast form whose child carries a hook (the fast form would skip it), and a generic module the graph
-    cannot size, run the eager tiled call from compiled code — a graph break, exact — with one warning naming
-    the reason."""
-    seen = []
-    if case == "hooked":
-        ref = llama_mlp()
-        model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
-        for m in (ref, model):
-            m.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
-    else:
-        torch.manual_seed(0)
-        ref = SquareMLP()
-        model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, mlp_types=(SquareMLP,))
+def test_a_generic_module_the_graph_cannot_size_keeps_the_eager_call_and_says_so(caplog):
+    """A generic module without Linear-like children mapping its width back: the graph cannot size its output,
+    so it runs the eager tiled call from compiled code — a graph break, exact — with one warning naming why."""
+    torch.manual_seed(0)
+    ref = SquareMLP()
+    model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, mlp_types=(SquareMLP,))
     x = torch.randn(2, 23, H, requires_grad=True)
     tiledmlp.logs._SAID.clear()
     with caplog.at_level(logging.WARNING, logger="tiledmlp"):
         got = torch.compile(model, backend="aot_eager")(x)
-    expected = ref(x)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    reason = {"hooked": "hooks are registered on its children", "unsized": "output cannot be sized"}[case]
-    assert "graph break" in caplog.text and reason in caplog.text
-    if case == "hooked":
-        assert len(seen) == 1 + 3  # the reference's call, then the generic form's three shards
+    torch.testing.assert_close(got, ref(x), rtol=1e-6, atol=1e-6)
+    assert "graph break" in caplog.text and "output cannot be sized" in caplog.text
+    assert tiledmlp.describe(model)[""].under_compile.startswith("eager call")
     torch._dynamo.reset()
     with pytest.raises(Exception, match="disable|graph break|Unsupported"):
         torch.compile(model, backend="aot_eager", fullgraph=True)(x)
 
 
+@pytest.mark.parametrize("form", ["generic", "auto"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_generic_form_is_an_operator_too(backend):
-    """The generic form (here forced on a GLU whose child carries a hook) is one operator: the module's own
-    forward runs per shard inside it, hooks and all, and its backward differentiates that forward per shard."""
+def test_generic_form_is_an_operator_too(form, backend, caplog):
+    """The generic form — forced, or taken by a fast-form module because a child carries a hook (the fast form
+    would skip it) — is one operator: the module's own forward runs per shard inside it, hooks and all, and its
+    backward differentiates that forward per shard."""
     seen = []
     ref = llama_mlp()
-    model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, form="generic")
+    model = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, form=form)
     for m in (ref, model):
         m.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
     counter = Counter(backend)
     x = torch.randn(2, 23, H)
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    outs = [ref(xs[0]), torch.compile(model, backend=counter, fullgraph=True)(xs[1])]
+    tiledmlp.logs._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        outs = [ref(xs[0]), torch.compile(model, backend=counter, fullgraph=True)(xs[1])]
     for out in outs:
         out.square().sum().backward()
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
@@ -250,6 +242,7 @@ def test_generic_form_is_an_operator_too(backend):
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert counter.ops == [1] and len(seen) == 1 + 3 + 3  # reference; three shards forward, three recomputed
+    assert ("take the generic form" in caplog.text) == (form == "auto")
 
 
 def test_peft_lora_layers_compile_fullgraph():
