@@ -144,8 +144,9 @@ def _tiled_call_backward(key: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
                          token_inputs: list[torch.Tensor], seed: Optional[torch.Tensor], needs: list[bool],
                          autocast: str) -> list[torch.Tensor]:
     """``[dx, d token inputs..., d params...]`` for the needed ones; an empty tensor for the others."""
-    with _autocast(x, autocast), _seeded(seed, x.device), _autograd_inside():
-        grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs, generic=seed is not None)
+    generic = seed is not None  # only its backward records a graph (the fast forms compute their gradients)
+    with _autocast(x, autocast), _seeded(seed, x.device), _autograd_inside() if generic else contextlib.nullcontext():
+        grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs, generic=generic)
     return [g if g is not None else x.new_empty(0) for g in grads]
 
 

@@ -284,6 +284,33 @@ def _split_input(state: TilingState, args: tuple, kwargs: dict):
     return None, None
 
 
+def _other_args(state: TilingState, args: tuple, kwargs: dict) -> list:
+    """The arguments of an MLP's call besides its input."""
+    return list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
+
+
+def _experts_args(state: TilingState, args: tuple, kwargs: dict) -> tuple[Optional[tuple], list]:
+    """An experts module's call: ``((hidden_states, top_k_index, top_k_weights) or None where they are not a routed
+    call's tensors, the other arguments)``."""
+    names = (state.input_name, *state.token_input_names)
+    values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+    rest = list(args[3:]) + [v for k, v in kwargs.items() if k not in names]
+    x, index, weights = values
+    routed = (all(isinstance(t, torch.Tensor) for t in values) and index.shape[:-1] == x.shape[:-1]
+              and weights.shape == index.shape)
+    return (x, index, weights) if routed else None, rest
+
+
+def _one_shard_inference(state: TilingState, x: torch.Tensor, fast: bool) -> bool:
+    """Decode and short inference calls: one shard is the untiled computation, so the module's own forward runs."""
+    return not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1], x.shape[-1], fast)
+
+
+#: Said when a fast-form module's children carry hooks (the fast form would skip them).
+_HOOKS_TAKE_GENERIC = ("%s: hooks are registered on %s; the fast %s form does not call the children, so these calls "
+                       "take the generic form, which calls them (per shard)")
+
+
 def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
@@ -317,9 +344,8 @@ copyreg.pickle(types.MethodType, _reduce_method)
 
 
 def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
-    """A tiled module's call as Dynamo traces it: one ``tiledmlp::tiled_call`` operator for a fast form
-    (``compiled.py``), the untiled forward where one shard would do, else the eager call (one graph break,
-    said once)."""
+    """A tiled module's call as Dynamo traces it: one ``tiledmlp::tiled_call`` operator (``compiled.py``), the
+    untiled forward where one shard would do, else the eager call (one graph break, said once)."""
     state: TilingState = module.__dict__[STATE_ATTR]
     if state.traced is None:
         reason = ("its generic form's output cannot be sized before it runs (children that are not Linear-like, "
@@ -328,21 +354,17 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     generic = state.spec.layout is None
     original = _original_forward(module)
     if state.kind == "moe":
-        names = (state.input_name, *state.token_input_names)
-        values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
-        x, *token_inputs = values
-        extra = list(args[3:]) + [v for k, v in kwargs.items() if k not in names]
-        if not all(isinstance(t, torch.Tensor) for t in values) or token_inputs[0].shape[:-1] != x.shape[:-1] \
-                or token_inputs[1].shape != token_inputs[0].shape:
+        routed, extra = _experts_args(state, args, kwargs)
+        if routed is None:
             return original(*args, **kwargs)
+        x, *token_inputs = routed
     else:
         x, _ = _split_input(state, args, kwargs)
         token_inputs = []
-        extra = list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
+        extra = _other_args(state, args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             return original(*args, **kwargs)
-    if x.numel() == 0 or not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1],
-                                                                                    x.shape[-1], not generic):
+    if x.numel() == 0 or _one_shard_inference(state, x, not generic):
         return original(*args, **kwargs)
     if extra:
         return _eager_call(module, "it was called with arguments besides its input", args, kwargs)
@@ -361,9 +383,8 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
         return _eager_call(module, "hooks are registered on its children (the experts then run untiled)", args,
                            kwargs)
     if len(hooked) > 0:  # a fast form would skip them: the generic form's operator, as the eager call does
-        warn_once_traced(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the fast %s "
-                         "form does not call the children, so these calls take the generic form, which calls them "
-                         "(per shard)", state.spec.name, ", ".join(hooked), state.kind)
+        warn_once_traced(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name,
+                         ", ".join(hooked), state.kind)
     return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis,
                       generic=generic or len(hooked) > 0)
 
@@ -385,11 +406,9 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
     x, rebuild = _split_input(state, args, kwargs)
     if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
         return original(*args, **kwargs)
-    if not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1], x.shape[-1],
-                                                                   state.spec.layout is not None):
-        # Decode and short inference calls: one shard is the untiled computation; skip the machinery.
+    if _one_shard_inference(state, x, state.spec.layout is not None):
         return original(*args, **kwargs)
-    extra = list(args[1:]) + [v for k, v in kwargs.items() if k != state.input_name]
+    extra = _other_args(state, args, kwargs)
     if _has_tensor(extra):
         raise ValueError(
             f"{state.spec.name}: the tiled forward got extra tensor arguments besides its input; tiling "
@@ -409,9 +428,8 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
     hooked = hooked_children(module) if fast and state.spec.layout is not None else []
     if hooked:  # registered after enable_tiling: the fast form would skip them
         fast = False
-        warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the fast %s form "
-                  "does not call the children, so these calls take the generic form, which calls them (per "
-                  "shard)", state.spec.name, ", ".join(hooked), state.kind)
+        warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
+                  state.kind)
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
 
 
@@ -419,15 +437,11 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
     """An experts module's call: ``(hidden_states, top_k_index, top_k_weights)``, the routing tiled with the
     hidden states as token inputs. Runs the module's own forward where tiling cannot help (inside a shard,
     one shard of inference) or would skip code (hooks on its children)."""
-    names = (state.input_name, *state.token_input_names)
-    values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
-    rest = list(args[3:]) + [v for k, v in kwargs.items() if k not in names]
-    x, index, weights = values
-    if (in_shard() or not all(isinstance(t, torch.Tensor) for t in values) or x.numel() == 0 or _has_tensor(rest)
-            or index.shape[:-1] != x.shape[:-1] or weights.shape != index.shape):
+    routed, rest = _experts_args(state, args, kwargs)
+    if in_shard() or routed is None or routed[0].numel() == 0 or _has_tensor(rest):
         return original(*args, **kwargs)
-    tokens = x.numel() // x.shape[-1]
-    if not torch.is_grad_enabled() and state.spec.policy.one_shard(tokens, x.shape[-1], True):
+    x, index, weights = routed
+    if _one_shard_inference(state, x, True):
         return original(*args, **kwargs)
     hooked = hooked_children(module)
     if hooked:
