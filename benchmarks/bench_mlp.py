@@ -9,12 +9,18 @@ Providers (all start from the same weights, input and output gradient):
 * ``liger_tiled``      Liger-Kernel's ``LigerTiledSwiGLUMLP`` / ``LigerTiledGEGLUMLP`` (shards = ceil(T / H)).
 * ``deepspeed_tiled``  DeepSpeed's ``TiledMLP.apply`` around the eager module's forward (shards = ceil(T / H)).
 * ``tiledmlp``         the eager module after ``tiledmlp.enable_tiling(module)``; ``tiledmlp@N`` forces N shards.
+* ``tiledmlp_generic``  the same with ``form="generic"`` (the module's own forward recomputed per shard).
 
 Styles (``--style``, comma-separated to compare them in one run; each style's ratios are against its own
 ``eager``): ``act_fn`` (``LlamaMLP``: ``down(act_fn(gate(x)) * up(x))``), ``inline`` (the same names, activation
 written inline), ``torchtitan`` (``w2(silu(w1(x)) * w3(x))``), ``plain`` (Phi-2's ``fc1 -> gelu_tanh -> fc2``
 with biases; GPT-2-XL shape: ``--hidden 1600 --intermediate 6400``) and ``conv1d`` (GPT-2's ``Conv1D``
 ``c_fc``/``c_proj``). Liger providers exist for the ``act_fn`` and ``inline`` GLUs only.
+
+``--lora R`` puts peft LoRA adapters of rank ``R`` (``lora_alpha = 2R``, no dropout) on every projection and
+freezes the base weights, as ``get_peft_model`` does; the adapters are float32 (peft's
+``autocast_adapter_dtype``) whatever ``dtype`` the base is, and the default providers become ``eager``,
+``tiledmlp`` (the fast form with the adapters) and ``tiledmlp_generic``.
 
 Accuracy is the relative L2 error against a float64 reference computed on the same device, token chunk by
 token chunk (exact up to float64 rounding, and small enough to fit next to the benchmark at 128K tokens).
@@ -56,6 +62,7 @@ ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 DENSE_PROVIDERS = ("eager", "liger", "liger_tiled", "deepspeed_tiled", "tiledmlp", "tiledmlp_fp32acc")
 STYLES = ("act_fn", "inline", "torchtitan", "plain", "conv1d")
 LIGER_STYLES = ("act_fn", "inline")  # Liger's GLU modules load these styles' weights (same names)
+LORA_PROVIDERS = ("eager", "tiledmlp", "tiledmlp_generic")
 MOE_PROVIDERS = ("eager", "grouped_mm", "deepspeed_tiled", "tiledmlp")
 TRITON_ONLY = frozenset({"liger", "liger_tiled"})
 FIXED_COLUMNS = (
@@ -82,6 +89,7 @@ class Shape:
     experts: int = 8
     top_k: int = 2
     experts_impl: str = "eager"
+    lora: int = 0  # rank of peft LoRA adapters on every projection (0: none)
 
 
 @dataclass
@@ -210,7 +218,24 @@ class FeedForward(nn.Module):
 
 
 def eager_module(shape: Shape, experts_impl: Optional[str] = None) -> nn.Module:
-    """The untiled block: ``MixtralSparseMoeBlock``, or the dense MLP of ``shape.style``."""
+    """The untiled block: ``MixtralSparseMoeBlock``, or the dense MLP of ``shape.style`` (with LoRA adapters
+    and frozen base weights when ``shape.lora``)."""
+    module = _dense_or_moe_module(shape, experts_impl)
+    if not shape.lora:
+        return module
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = [name for name, child in module.named_children()
+               if isinstance(child, nn.Linear) or type(child).__name__ == "Conv1D"]
+    config = LoraConfig(r=shape.lora, lora_alpha=2 * shape.lora, lora_dropout=0.0, target_modules=targets,
+                        fan_in_fan_out=shape.style == "conv1d")
+    module = inject_adapter_in_model(config, module)
+    for name, param in module.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return module
+
+
+def _dense_or_moe_module(shape: Shape, experts_impl: Optional[str]) -> nn.Module:
     if shape.moe:
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -250,9 +275,13 @@ def master_state_dict(shape: Shape, device: torch.device, dtype: torch.dtype, se
 
 
 def materialize(module: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
-    """Cast ``module`` to ``dtype`` and load the shared weights into it."""
+    """Cast ``module`` to ``dtype`` and load the shared weights into it; LoRA adapters at least float32, as
+    peft keeps them."""
     module.to(dtype)
     module.load_state_dict(state)
+    for name, param in module.named_parameters():
+        if "lora_" in name and param.dtype.itemsize < 4:
+            param.data = param.data.float()
     return module
 
 
@@ -329,6 +358,12 @@ def build_tiledmlp(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dt
     return Runner(module, module, ",".join(info.form for info in tiledmlp.describe(module).values()))
 
 
+def build_tiledmlp_generic(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                           options: dict[str, Any]) -> Runner:
+    """tiledmlp's generic form: the module's own forward, recomputed per shard in backward."""
+    return build_tiledmlp(shape, state, dtype, {"form": "generic", **options})
+
+
 def build_tiledmlp_fp32acc(shape: Shape, state: dict[str, torch.Tensor], dtype: torch.dtype,
                            options: dict[str, Any]) -> Runner:
     """tiledmlp with float32 gradient accumulators and a 1024 MiB scratch budget (8192-token shards):
@@ -364,6 +399,7 @@ BUILDERS: dict[str, Callable[..., Runner]] = {
     "liger_tiled": build_liger_tiled,
     "deepspeed_tiled": build_deepspeed_tiled,
     "tiledmlp": build_tiledmlp,
+    "tiledmlp_generic": build_tiledmlp_generic,
     "tiledmlp_fp32acc": build_tiledmlp_fp32acc,
     "tiledmlp_compiled": build_tiledmlp_compiled,
 }
@@ -372,6 +408,7 @@ PROVIDER_IMPORTS = {  # provider -> (module, name it must define)
     "liger_tiled": ("liger_kernel.transformers.tiled_mlp", "LigerTiledSwiGLUMLP"),
     "deepspeed_tiled": ("deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP"),
     "tiledmlp": ("tiledmlp", "enable_tiling"),
+    "tiledmlp_generic": ("tiledmlp", "enable_tiling"),
     "tiledmlp_fp32acc": ("tiledmlp", "enable_tiling"),
     "tiledmlp_compiled": ("tiledmlp", "enable_tiling"),
 }
@@ -441,7 +478,7 @@ def float64_reference(shape: Shape, state: dict[str, torch.Tensor], x: torch.Ten
         y_chunk.backward(grad_out[:, rows].double())
         out[:, rows] = y_chunk.detach()
         dx[:, rows] = x_chunk.grad
-    grads = {name: param.grad.float() for name, param in module.named_parameters()}
+    grads = {name: param.grad.float() for name, param in module.named_parameters() if param.requires_grad}
     return Reference(out, dx, grads)
 
 
@@ -470,6 +507,8 @@ def accuracy(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, ref: Refer
     out.backward(grad_out)
     errors = {"err_out": rel_l2(out.detach(), ref.out), "err_dx": rel_l2(x.grad, ref.dx)}
     for name, param in runner.module.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         errors[f"err_w:{name}"] = rel_l2(grad, ref.weight_grads[name])
     errors["err_w_max"] = max(v for k, v in errors.items() if k.startswith("err_w:"))
@@ -759,6 +798,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="silu or gelu_tanh (default: silu; gelu_tanh for the plain and conv1d styles)")
     parser.add_argument("--style", default="act_fn",
                         help=f"comma-separated MLP styles to compare in one run: {', '.join(STYLES)} (default act_fn)")
+    parser.add_argument("--lora", type=int, default=0,
+                        help="rank of peft LoRA adapters on every projection, base weights frozen (default 0: none)")
     parser.add_argument("--moe", action="store_true", help="benchmark a Mixtral sparse MoE block instead")
     parser.add_argument("--experts", type=int, default=8, help="MoE: number of experts")
     parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
@@ -797,7 +838,9 @@ def apply_defaults(args: argparse.Namespace) -> None:
     if args.act is None:
         args.act = "gelu_tanh" if all(style in ("plain", "conv1d") for style in args.styles) else "silu"
     args.explicit_providers = args.providers is not None
-    default_providers = MOE_PROVIDERS if args.moe else DENSE_PROVIDERS
+    if args.lora and args.moe:
+        raise SystemExit("--lora applies to dense MLPs only")
+    default_providers = MOE_PROVIDERS if args.moe else LORA_PROVIDERS if args.lora else DENSE_PROVIDERS
     args.providers = args.providers.split(",") if args.providers else list(default_providers)
     if args.quick:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
@@ -807,13 +850,15 @@ def apply_defaults(args: argparse.Namespace) -> None:
 
 def output_stem(args: argparse.Namespace, device: torch.device) -> str:
     """``bench_mlp_<gpu>_<act>`` (``bench_moe_...`` with --moe; ``_<styles>`` for other styles than
-    ``act_fn``, ``_H<hidden>`` for another hidden size than 4096, ``_compile`` with compiled providers,
-    ``..._quick`` with --quick)."""
+    ``act_fn``, ``_H<hidden>`` for another hidden size than 4096, ``_lora<R>`` with LoRA adapters,
+    ``_compile`` with compiled providers, ``..._quick`` with --quick)."""
     kind = "moe" if args.moe else "mlp"
     styles = "" if args.styles == ["act_fn"] else "_" + "-".join(args.styles)
     hidden = "" if args.hidden == 4096 or args.quick else f"_H{args.hidden}"
     compiled = "_compile" if any(p.endswith("_compiled") for p in args.providers) else ""
-    return f"bench_{kind}_{gpu_slug(device)}_{args.act}{styles}{hidden}{compiled}" + ("_quick" if args.quick else "")
+    lora = f"_lora{args.lora}" if args.lora else ""
+    quick = "_quick" if args.quick else ""
+    return f"bench_{kind}_{gpu_slug(device)}_{args.act}{styles}{hidden}{lora}{compiled}{quick}"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -826,7 +871,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows = []
     for style in args.styles:
         shape = Shape(args.hidden, args.intermediate, args.act, style, args.moe, args.experts, args.top_k,
-                      args.experts_impl)
+                      args.experts_impl, args.lora)
         usable = [name for name in providers if split_provider(name)[0] not in TRITON_ONLY or style in LIGER_STYLES]
         print(f"{gpu_name(device)}: {'MoE' if shape.moe else 'MLP'} {shape}, dtype {dtype}, providers {usable}")
         state = master_state_dict(shape, device, dtype, args.seed)
@@ -841,7 +886,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(args, device)
     write_csv(args.out / f"{stem}.csv", rows)
-    block = "Mixtral MoE" if args.moe else f"MLP ({', '.join(args.styles)})"
+    lora = f", LoRA r={args.lora}" if args.lora else ""
+    block = "Mixtral MoE" if args.moe else f"MLP ({', '.join(args.styles)}{lora})"
     title = f"{gpu_name(device)} - {block} H={args.hidden} I={args.intermediate} {args.act} {meta['dtype']}"
     write_plot(args.out / f"{stem}.png", rows, title)
     print_table(rows)

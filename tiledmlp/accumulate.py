@@ -92,11 +92,13 @@ class GradAccumulator:
     (``cols``, declared first with :meth:`plan_columns`). Memory: one accumulator per trainable
     parameter (2 bytes per element by default) and, while a block-scaled one adds a GEMM's result, a
     partial buffer of at most ``partial_mib`` MiB (default ``PARTIAL_MIB``), during this module's backward
-    only (or its forward, for a form that finishes its gradients there).
+    only (or its forward, for a form that finishes its gradients there). ``float32_sums``: parameters
+    summed in float32 whatever ``accum_dtype`` says (a form's small ones, e.g. LoRA adapters).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], needs: Sequence[bool], num_shards: int,
-                 accum_dtype: Optional[torch.dtype], partial_mib: Optional[float] = None) -> None:
+                 accum_dtype: Optional[torch.dtype], partial_mib: Optional[float] = None,
+                 float32_sums: Sequence[int] = ()) -> None:
         self._params = params
         self._partial_bytes = int((PARTIAL_MIB if partial_mib is None else partial_mib) * 2**20)
         self.needs = tuple(needs)
@@ -106,8 +108,10 @@ class GradAccumulator:
         self._adds: dict[_Key, int] = {}  # contributions so far, per (parameter, rows, cols) block
         self._final: set[_Key] = set()  # block-scaled blocks already rounded to the result by their last add
         self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() >= 2
-                        for p in params]
-        self._dtypes = [accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype) for p in params]
+                        and i not in float32_sums for i, p in enumerate(params)]
+        self._dtypes = [torch.float32 if i in float32_sums and num_shards > 1 and p.dtype in _LOW_PRECISION
+                        else accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype)
+                        for i, p in enumerate(params)]
 
     def plan_columns(self, i: int, bounds: Sequence[tuple[int, int]]) -> None:
         """Declare the column blocks ``[start, stop)`` in which parameter ``i``'s gradient will be

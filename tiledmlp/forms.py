@@ -89,6 +89,7 @@ class ModuleForm:
 
     stochastic = True
     grads_in_forward = False
+    float32_sums = ()
 
     def __init__(self, forward: Callable[..., Any], slots: Sequence[Slot], slot_index: Sequence[int],
                  input_ndim: int) -> None:

@@ -128,6 +128,10 @@ class Form(Protocol):
     #: forward"); such a form has no ``backward_shard``
     grads_in_forward: bool
 
+    #: parameters (indices of the tensors handed to the form) whose shard gradients are summed in float32
+    #: whatever ``grad_accum_dtype`` says: small ones where precision matters more than 2 bytes per element
+    float32_sums: tuple[int, ...]
+
     def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
                       out: Optional[Sequence[Optional[torch.Tensor]]] = None, side: Sequence[torch.Tensor] = (),
                       dx_out: Optional[torch.Tensor] = None,
@@ -196,7 +200,7 @@ class TileCall:
     def accumulator(self, params: Sequence[torch.Tensor], needs: Sequence[bool], rows: int) -> GradAccumulator:
         """The gradient accumulator of one pass over ``rows`` tokens in shards of ``shard_rows``."""
         return GradAccumulator(params, needs, len(_shard_bounds(rows, self.shard_rows)), self.grad_accum_dtype,
-                               self.partial_mib)
+                               self.partial_mib, self.form.float32_sums)
 
 
 def _shard_bounds(rows: int, shard_rows: int) -> list[tuple[int, int]]:

@@ -123,6 +123,7 @@ class LinearCrossEntropyForm:
         self.vocab = vocab
         self.chunks = chunk_bounds(vocab, -(-vocab // vocab_chunk))
         self.grads_in_forward = fused
+        self.float32_sums = ()
         self.coef = coef
         self.dtype = dtype  # compute dtype of the logits
         self._cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (weight, weight in dtype)

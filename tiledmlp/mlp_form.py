@@ -10,7 +10,8 @@
   backward are Triton kernels (``kernels/mlp.py``).
 
 Each projection is a :class:`Proj`: an ``nn.Linear``-like map whose weight may be stored
-``[out, in]`` (``nn.Linear``) or ``[in, out]`` (Hugging Face ``Conv1D``).
+``[out, in]`` (``nn.Linear``) or ``[in, out]`` (Hugging Face ``Conv1D``), and which may carry a peft
+LoRA adapter (``tiledmlp.lora``).
 
 Backward recomputes only the pre-activations (``gate`` and ``up``, or ``up``), never the down
 projection. With ``dh`` computed one column block at a time the fused activation kernel overwrites
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
 from .kernels import glu_backward_, glu_forward, mlp_backward_, mlp_forward
+from .lora import LowRank
 from .sharding import chunk_bounds, dh_blocks
 
 __all__ = ["Proj", "MLPLayout", "MLPForm"]
@@ -44,11 +46,13 @@ class Proj:
 
     ``weight``/``bias`` index the parameter list (``bias`` None: no bias). ``transposed``: the weight
     is stored ``[in, out]`` (Hugging Face ``Conv1D``); :meth:`w` always returns an ``[out, in]`` view.
+    ``adapter``: a LoRA adapter adding ``s * (x @ A.T) @ B.T`` (``tiledmlp.lora``).
     """
 
     weight: int
     bias: Optional[int] = None
     transposed: bool = False
+    adapter: Optional[LowRank] = None
 
     def w(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         w = params[self.weight]
@@ -59,11 +63,22 @@ class Proj:
 
     def linear(self, x: torch.Tensor, params: Sequence[torch.Tensor], rows: slice = slice(None)) -> torch.Tensor:
         """Output features ``rows`` of the projection."""
+        return self.linear_z(x, params, rows)[0]
+
+    def linear_z(self, x: torch.Tensor, params: Sequence[torch.Tensor],
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(output features rows, the adapter's x @ A.T or None)``."""
         b = self.b(params)
-        return F.linear(x, self.w(params)[rows], None if b is None else b[rows])
+        y = F.linear(x, self.w(params)[rows], None if b is None else b[rows])
+        if self.adapter is None:
+            return y, None
+        z = self.adapter.project(x, params)
+        self.adapter.add_(y, z, params, rows)
+        return y, z
 
     def remap(self, index: Sequence[int]) -> "Proj":
-        return replace(self, weight=index[self.weight], bias=None if self.bias is None else index[self.bias])
+        return replace(self, weight=index[self.weight], bias=None if self.bias is None else index[self.bias],
+                       adapter=None if self.adapter is None else self.adapter.remap(index))
 
     def plan_output_blocks(self, grads: GradAccumulator, blocks: Sequence[tuple[int, int]]) -> None:
         """Declare the blocks of output features whose weight gradients :meth:`weight_grad` will add:
@@ -155,6 +170,9 @@ class MLPForm:
     def __init__(self, layout: MLPLayout, inter_chunks: int = 1) -> None:
         self.layout = layout
         self.inter_chunks = inter_chunks
+        # LoRA adapters' gradients: r * (in + out) elements, the weights a LoRA run trains
+        adapters = [p.adapter for p in (layout.gate, layout.up, layout.down) if p is not None and p.adapter is not None]
+        self.float32_sums = tuple(i for a in adapters for i in (a.a, a.b))
 
     def forward_shard(self, x, params, out=None, side=()):
         lay, act = self.layout, self.layout.activation
@@ -172,28 +190,32 @@ class MLPForm:
         w_down, b_down = lay.down.w(params), lay.down.b(params)
         dest = None if out is None else out[0]
         if dest is None or dest.dtype != h.dtype:
-            return (F.linear(h, w_down, b_down),)
-        # Straight into the output rows: no [rows, hidden] temporary and no copy (F.linear's GEMM, with
-        # the casts autocast would make).
-        w_t = w_down.to(h.dtype).t()
-        if b_down is None:
-            return (torch.mm(h, w_t, out=dest),)
-        return (torch.addmm(b_down.to(h.dtype), h, w_t, out=dest),)
+            y = F.linear(h, w_down, b_down)
+        elif b_down is None:
+            # Straight into the output rows: no [rows, hidden] temporary and no copy (F.linear's GEMM, with
+            # the casts autocast would make).
+            y = torch.mm(h, w_down.to(h.dtype).t(), out=dest)
+        else:
+            y = torch.addmm(b_down.to(h.dtype), h, w_down.to(h.dtype).t(), out=dest)
+        if lay.down.adapter is not None:
+            lay.down.adapter.add_(y, lay.down.adapter.project(h, params), params)
+        return (y,)
 
     def _recompute(self, x, params, start: int, stop: int, inter: int, whole_fused: bool):
         """The pre-activations of intermediate block ``[start, stop)``: ``(kernel operands, [(buffer,
-        projection, its output rows)])``. The buffers become the projections' output gradients."""
+        projection, its output rows, its adapter's x @ A.T or None)])``. The buffers become the
+        projections' output gradients."""
         lay, sl = self.layout, slice(start, stop)
         if whole_fused:  # one GEMM for both projections, and one for each gradient
-            gu = lay.up.linear(x, params)
-            return (gu[:, :inter], gu[:, inter:]), [(gu, lay.up, slice(None))]
+            gu, z = lay.up.linear_z(x, params)
+            return (gu[:, :inter], gu[:, inter:]), [(gu, lay.up, slice(None), z)]
         if lay.gated:
             gate_proj, up_offset = (lay.up, inter) if lay.fused else (lay.gate, 0)
             up_sl = slice(up_offset + start, up_offset + stop)
-            gate, up = gate_proj.linear(x, params, sl), lay.up.linear(x, params, up_sl)
-            return (gate, up), [(gate, gate_proj, sl), (up, lay.up, up_sl)]
-        u = lay.up.linear(x, params, sl)
-        return (u,), [(u, lay.up, sl)]
+            (gate, z_gate), (up, z_up) = gate_proj.linear_z(x, params, sl), lay.up.linear_z(x, params, up_sl)
+            return (gate, up), [(gate, gate_proj, sl, z_gate), (up, lay.up, up_sl, z_up)]
+        u, z = lay.up.linear_z(x, params, sl)
+        return (u,), [(u, lay.up, sl, z)]
 
     def _activation_backward(self, dh: torch.Tensor, operands, cols: slice) -> None:
         """``dh <- h`` and the pre-activation columns ``cols`` <- their gradients."""
@@ -203,13 +225,22 @@ class MLPForm:
         else:
             mlp_backward_(dh, operands[0][:, cols], self.layout.activation)
 
-    def _plan(self, grads: GradAccumulator, blocks, dh_bounds, inter: int) -> None:
+    def _input_adapters(self) -> list[LowRank]:
+        """The adapters of the projections that read the input (one for a fused gate/up projection)."""
+        projs = (self.layout.gate, self.layout.up)
+        return list(dict.fromkeys(p.adapter for p in projs if p is not None and p.adapter is not None))
+
+    def _plan(self, grads: GradAccumulator, blocks, dh_bounds, inter: int, hidden: int) -> None:
         """Declare the gradient blocks this backward adds (see ``Proj.plan_output_blocks``)."""
         lay = self.layout
         lay.down.plan_input_blocks(grads, [bound for block in dh_bounds for bound in block])
         lay.up.plan_output_blocks(grads, list(blocks) + ([(inter + a, inter + b) for a, b in blocks] if lay.fused else []))
         if lay.gate is not None:
             lay.gate.plan_output_blocks(grads, blocks)
+        if lay.down.adapter is not None:
+            lay.down.adapter.plan_down(grads, [bound for block in dh_bounds for bound in block])
+        for adapter in self._input_adapters():
+            adapter.plan_input(grads, hidden)
 
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         (g,) = grad_outputs
@@ -222,31 +253,44 @@ class MLPForm:
         inter = w_down.shape[1]
         blocks = chunk_bounds(inter, self.inter_chunks)
         dh_bounds = [[(start + a, start + b) for a, b in dh_blocks(stop - start)] for start, stop in blocks]
-        self._plan(grads, blocks, dh_bounds, inter)
+        self._plan(grads, blocks, dh_bounds, inter, x.shape[1])
         whole_fused = lay.fused and len(blocks) == 1
-        gc = xc = dx_acc = None
+        down_adapter, rows = lay.down.adapter, x.shape[0]
+        # LoRA adapters (tiledmlp.lora): per input-side adapter its dz = d_out @ B, summed over the blocks
+        # in float32; for the down projection's, s * g @ B and z = h @ A.T, summed over h's blocks.
+        dzs = {a: torch.zeros(rows, params[a.a].shape[0], dtype=torch.float32, device=x.device)
+               for a in self._input_adapters()}
+        z_down = None if down_adapter is None else torch.zeros(rows, params[down_adapter.a].shape[0],
+                                                               dtype=torch.float32, device=x.device)
+        gc = xc = dx_acc = gb = None
         for block_idx, (start, stop) in enumerate(blocks):
             operands, buffers = self._recompute(x, params, start, stop, inter, whole_fused)
             cdt = operands[0].dtype  # the compute dtype (differs from the parameters' under autocast)
             if gc is None:  # cast once per shard, not per block
                 gc, xc = g.to(cdt), x.to(cdt)
+                gb = None if down_adapter is None else down_adapter.grad_through(gc, params)
             sub_blocks = dh_bounds[block_idx]
             # One buffer for every dh block (a fresh tensor per block would be allocated while the
             # previous one is still referenced: two blocks of scratch instead of one).
-            rows = x.shape[0]
             dh_buf = torch.empty(rows * max(b - a for a, b in sub_blocks), dtype=cdt, device=x.device)
             for sub_start, sub_stop in sub_blocks:  # absolute columns of the intermediate dimension
                 cols, width = slice(sub_start - start, sub_stop - start), sub_stop - sub_start
                 dh = dh_buf[:rows * width].view(rows, width)
                 torch.mm(gc, w_down[:, sub_start:sub_stop].to(cdt), out=dh)
+                if down_adapter is not None:
+                    down_adapter.add_dh_(dh, gb, params, slice(sub_start, sub_stop))
                 self._activation_backward(dh, operands, cols)  # dh <- h, pre-activations <- their grads
                 lay.down.weight_grad(grads, gc, dh, in_cols=slice(sub_start, sub_stop))  # g.T @ h
+                if down_adapter is not None:
+                    down_adapter.h_block_grads(grads, gb, dh, params, slice(sub_start, sub_stop), z_down)
             del dh, dh_buf, operands  # before the weight-gradient partials need their buffer
-            for d_out, proj, out_rows in buffers:
+            for d_out, proj, out_rows, z in buffers:
                 proj.weight_grad(grads, d_out, xc, out_rows=out_rows)
                 proj.bias_grad(grads, d_out, out_rows)
+                if proj.adapter is not None:
+                    proj.adapter.output_grads(grads, d_out, z, params, out_rows, dzs[proj.adapter])
             if dx_out is not None:
-                for d_out, proj, out_rows in buffers:
+                for d_out, proj, out_rows, _ in buffers:
                     if dx_acc is None:  # summed straight into the output rows when they hold the compute dtype or float32
                         direct = dx_out.dtype in (cdt, sum_dtype(cdt))
                         dx_acc = dx_out if direct else torch.empty(dx_out.shape, dtype=sum_dtype(cdt), device=x.device)
@@ -255,6 +299,10 @@ class MLPForm:
                         addmm_(dx_acc, d_out, proj.w(params)[out_rows].to(cdt))
             buffers = d_out = None  # released before the next block's recompute allocates its own
         lay.down.bias_grad(grads, g)
+        if down_adapter is not None:
+            down_adapter.down_grads(grads, gc, z_down, params)
+        for adapter, dz in dzs.items():
+            adapter.input_grads(grads, dz, xc, params, dx_acc)
         if dx_acc is not None and dx_acc is not dx_out:
             dx_out.copy_(dx_acc)
 

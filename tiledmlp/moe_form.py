@@ -130,6 +130,7 @@ class MoEForm:
 
     stochastic = False
     grads_in_forward = False
+    float32_sums = ()
     leading_outputs = (True,)
     returned_tuple = False
 

@@ -46,6 +46,7 @@ from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForwa
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
 from .hooks import HOOK_TABLES, hooked_children
 from .logs import warn_once, warn_once_traced
+from .lora import changed_adapters
 from .mlp_form import MLPLayout
 from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
@@ -175,6 +176,7 @@ class TilingState:
     token_input_names: tuple = ()
     # How a compiled call reaches this module's tensors (None: compiled calls take the eager path)
     traced: Optional[TracedCall] = None
+    adapters: tuple = ()  # the fast form's LoRA adapters (tiledmlp.lora), whose state every call checks
     key: Optional[torch.Tensor] = None  # names this module to the compiled call's operators (set by install)
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
@@ -309,6 +311,9 @@ def _one_shard_inference(state: TilingState, x: torch.Tensor, fast: bool) -> boo
 #: Said when a fast-form module's children carry hooks (the fast form would skip them).
 _HOOKS_TAKE_GENERIC = ("%s: hooks are registered on %s; the fast %s form does not call the children, so these calls "
                        "take the generic form, which calls them (per shard)")
+#: Said when a fast-form module's LoRA adapters changed state since enable_tiling (the fast form computes the old one).
+_ADAPTERS_TAKE_GENERIC = ("%s: its LoRA layers changed since enable_tiling (%s); these calls take the generic form, "
+                          "which runs peft's own forward. Call enable_tiling again for the fast %s form")
 
 
 def _has_tensor(values: Iterable[Any]) -> bool:
@@ -385,8 +390,12 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     if len(hooked) > 0:  # a fast form would skip them: the generic form's operator, as the eager call does
         warn_once_traced(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name,
                          ", ".join(hooked), state.kind)
+    changed = changed_adapters(state.adapters) if len(state.adapters) > 0 else []
+    if len(changed) > 0:
+        warn_once_traced(("adapters", state.spec.name, tuple(changed)), _ADAPTERS_TAKE_GENERIC, state.spec.name,
+                         "; ".join(changed), state.kind)
     return tiled_call(state.key, x, params, token_inputs, state.traced.out_slot, state.traced.out_axis,
-                      generic=generic or len(hooked) > 0)
+                      generic=generic or len(hooked) > 0 or len(changed) > 0)
 
 
 @torch.compiler.disable
@@ -430,6 +439,11 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         fast = False
         warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
                   state.kind)
+    changed = changed_adapters(state.adapters) if fast and state.adapters else []
+    if changed:  # merged, disabled, switched or rescaled: the fast form would compute the recognized adapter
+        fast = False
+        warn_once(("adapters", state.spec.name, tuple(changed)), _ADAPTERS_TAKE_GENERIC, state.spec.name,
+                  "; ".join(changed), state.kind)
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
 
 
@@ -510,7 +524,7 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
                                    forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
                                    token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
-                                   traced=_traced_call(module, rec))
+                                   traced=_traced_call(module, rec), adapters=rec.adapters)
     if loss is not None:
         states.update(_plan_heads(model, strategy, loss))
     return states

@@ -29,10 +29,15 @@ probe's tokens are not the user's data; ``parallelize_module``'s would redistrib
 the module computes on one device; a module whose children carry hooks of their own then takes the
 generic form, which calls them (``tiledmlp.hooks``).
 
+A peft LoRA-wrapped projection in its plain state (one active adapter, unmerged, no adapter dropout:
+``tiledmlp.lora``) is a projection with an adapter; the probe then computes with random adapter
+weights (peft initializes ``B`` to zero, which would hide the adapter's term), so the match checks
+the adapter's computation and scale as well.
+
 What the fast forms do not compute makes a candidate generic, with the reason in
-``Recognized.reason``: parameters or buffers outside the projections (LoRA adapters, a learned
-scale), dropout, a forward that matches no candidate (a residual inside, a squared output, a
-third gating input). The probe cannot run on meta tensors, FSDP1's flat-parameter views or
+``Recognized.reason``: parameters or buffers outside the projections (a learned scale), a LoRA
+layer in another state (adapter dropout, merged, several adapters, DoRA), dropout, a forward that
+matches no candidate (a residual inside, a squared output, a third gating input). The probe cannot run on meta tensors, FSDP1's flat-parameter views or
 shards, or FSDP2 units inside the module; there a module named like a Hugging Face GLU (``gate_proj``/``up_proj``/
 ``down_proj`` or ``gate_up_proj``/``down_proj``, activation in ``act_fn``/``activation_fn``)
 gets the GLU form on its structure alone, as before the probe existed, and other MLP-named
@@ -43,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -54,6 +59,7 @@ from .distributed.deepspeed import gathered
 from .distributed.detect import fsdp2_units_below, is_dtensor
 from .hooks import hooked_children, silenced_hooks
 from .forms import Slot, is_plain_linear, swapped
+from .lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from .mlp_form import MLPForm, MLPLayout, Proj
 from .runtime import dedupe
 
@@ -85,13 +91,15 @@ class Recognized:
     warn: bool = False
     computes: str = ""  # what the fast form computes, in the children's names
     moe_block: bool = False  # a whole MoE block on the generic form (its router runs per shard)
+    adapters: tuple[Adapter, ...] = ()  # the fast form's LoRA adapters, whose state each call checks
 
 
 @dataclass(frozen=True)
 class LinearLike:
     """A child that computes ``x @ W.T + b``: its name, dimensions, and where its weight and bias
-    live. ``transposed``: the weight is stored ``[in, out]`` (``Conv1D``); ``wrapper``: what wraps
-    the base linear (e.g. LoRA adapters), which the fast forms do not compute."""
+    live. ``transposed``: the weight is stored ``[in, out]`` (``Conv1D``); ``adapter``: a peft LoRA
+    adapter the fast forms compute; ``wrapper``: what wraps the base linear that they do not (a LoRA
+    layer in another state, and why)."""
 
     name: str
     in_features: int
@@ -99,6 +107,7 @@ class LinearLike:
     weight: Slot
     bias: Optional[Slot]
     transposed: bool = False
+    adapter: Optional[Adapter] = None
     wrapper: str = ""
 
 
@@ -120,12 +129,13 @@ def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
             return None
         bias = Slot(m, "bias") if getattr(m, "bias", None) is not None else None
         return LinearLike(name, n_in, m.nf, Slot(m, "weight"), bias, transposed=True)
-    base = getattr(m, "base_layer", None)
-    if isinstance(base, nn.Module) and hasattr(m, "lora_A"):  # peft LoRA
-        inner = linear_like(name, base)
-        if inner is not None:
-            return LinearLike(name, inner.in_features, inner.out_features, inner.weight, inner.bias,
-                              inner.transposed, wrapper="LoRA adapters (peft)")
+    if is_peft_lora(m):
+        inner = linear_like(name, m.base_layer)
+        if inner is not None and inner.adapter is None and not inner.wrapper:
+            adapter = lora_adapter(m)
+            if isinstance(adapter, str):
+                return replace(inner, wrapper=f"LoRA adapters (peft): {adapter}")
+            return replace(inner, adapter=replace(adapter, child=name))
     return None
 
 
@@ -159,9 +169,14 @@ def activation_name(act: Any) -> Optional[str]:
 # Candidate layouts
 
 
+def _index(slot: Slot, where: dict[tuple[int, str], int]) -> int:
+    return where[(id(slot.owner), slot.name)]
+
+
 def _proj(lin: LinearLike, where: dict[tuple[int, str], int]) -> Proj:
-    bias = None if lin.bias is None else where[(id(lin.bias.owner), lin.bias.name)]
-    return Proj(where[(id(lin.weight.owner), lin.weight.name)], bias, lin.transposed)
+    bias = None if lin.bias is None else _index(lin.bias, where)
+    adapter = lin.adapter and LowRank(_index(lin.adapter.a, where), _index(lin.adapter.b, where), lin.adapter.scale)
+    return Proj(_index(lin.weight, where), bias, lin.transposed, adapter)
 
 
 def _candidates(linears: Sequence[LinearLike], where: dict[tuple[int, str], int],
@@ -232,13 +247,26 @@ class _Probe:
     """The module's forward on probe tokens, with float32 copies of its parameters swapped in (made
     once, whatever input widths are tried)."""
 
-    def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot]) -> None:
+    def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot],
+                 adapters: Sequence[LowRank] = (), weights: Sequence[int] = ()) -> None:
         self.forward, self.module, self.slots = forward, module, slots
         full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
         self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
+        for adapter, weight in zip(adapters, weights):
+            self._randomize(adapter, weight)
         self._unique, self._index = dedupe(self.proxies)
         self.x = torch.empty(0)
         self.hidden = 0
+
+    def _randomize(self, adapter: LowRank, weight: int) -> None:
+        """Random ``A`` and ``B`` for a LoRA adapter (on the base weight at ``weight``), scaled so its term is
+        as large as the base projection's: peft's zero-initialized ``B`` would hide what the adapter computes."""
+        a, b = self.proxies[adapter.a], self.proxies[adapter.b]
+        gen = torch.Generator(device=a.device).manual_seed(1)
+        w_std = float(self.proxies[weight].std().clamp_min(1e-6))
+        b_std = 1.0 / (max(abs(adapter.scale), 1e-6) * b.shape[1] ** 0.5)
+        self.proxies[adapter.a] = torch.randn(a.shape, generator=gen, device=a.device, dtype=a.dtype) * w_std
+        self.proxies[adapter.b] = torch.randn(b.shape, generator=gen, device=b.device, dtype=b.dtype) * b_std
 
     def tokens(self, hidden: int, reader: LinearLike, where: dict[tuple[int, str], int]) -> None:
         """Draw ``hidden``-wide probe tokens, scaled so ``reader`` (a child reading the input) gives
@@ -318,8 +346,11 @@ def _named_mlp(children: dict[str, nn.Module]) -> bool:
 
 
 def _outside_projections(module: nn.Module, linears: Sequence[LinearLike]) -> list[str]:
-    """Parameters and buffers of ``module`` that no projection's weight or bias is."""
+    """Parameters and buffers of ``module`` that no projection's weight, bias or adapter is (a LoRA layer's
+    inactive adapters count as its own: its forward does not use them, and each call checks that it still does not)."""
     inside = {(id(s.owner), s.name) for lin in linears for s in (lin.weight, lin.bias) if s is not None}
+    inside |= {(id(m), pn) for lin in linears if lin.adapter
+               for m in lin.adapter.layer.modules() for pn in m._parameters}
     params = [f"{mn}.{pn}".lstrip(".") for mn, m in module.named_modules() for pn, p in m._parameters.items()
               if p is not None and (id(m), pn) not in inside]
     return params + [n for n, _ in module.named_buffers()]
@@ -377,7 +408,9 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         return Recognized("generic", tuple(slots), reason=f"the probe could not run ({unavailable}); enable tiling "
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
-    probe = _Probe(forward, module, slots)
+    adapted = [lin for lin in linears if lin.adapter is not None]
+    probe = _Probe(forward, module, slots, [_proj(lin, where).adapter for lin in adapted],
+                   [_index(lin.weight, where) for lin in adapted])
     for hidden in hiddens:  # the input width the forward accepts
         probe.tokens(hidden, next(lin for lin in linears if lin.in_features == hidden), where)
         try:
@@ -403,7 +436,7 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
     wrapped = sorted({f"{lin.name}: {lin.wrapper}" for lin in linears if lin.wrapper})
     if wrapped:
         return generic(f"its projections are wrapped ({'; '.join(wrapped)}); the fast forms compute plain "
-                       "weights only, the generic form runs the wrapper's own forward")
+                       "weights and plain LoRA adapters only, the generic form runs the wrapper's own forward")
     outside = _outside_projections(module, linears)
     if outside:
         return generic(f"it has parameters or buffers outside its projections ({', '.join(outside[:4])}), which "
@@ -423,7 +456,9 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
             if _rel_max_err(probe.candidate(layout), ref[0]) <= PROBE_RTOL:
                 matches.append((description.replace("act(", f"{act}("), layout))
     if len(matches) == 1:
-        return Recognized(matches[0][1].form, tuple(slots), matches[0][1], computes=matches[0][0])
+        computes = matches[0][0] + (f", with LoRA adapters on {', '.join(l.name for l in adapted)}" if adapted else "")
+        return Recognized(matches[0][1].form, tuple(slots), matches[0][1], computes=computes,
+                          adapters=tuple(lin.adapter for lin in adapted))
     if matches:
         return generic("the probe matched several fast forms (" + "; ".join(d for d, _ in matches) + ")")
     return generic("its forward matches no fast form: neither down(act(gate(x)) * up(x)) nor down(act(up(x))) "

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
-from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral
+from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral, tile_lora
 from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
                     count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
                     use_apply)
@@ -220,9 +220,8 @@ def zero3_hf_llama_frozen_embeddings(env: Env) -> dict[str, Any]:
 @case
 def zero3_hf_lora(env: Env) -> dict[str, Any]:
     """PEFT LoRA on the MLP projections: frozen base weights (gathered, released without a gradient), the
-    generic form."""
-    return untiled_vs_tiled(env, lora_llama, config(3, env), hf_batches(env, HF_VOCAB),
-                            tile=lambda m: tiledmlp.enable_tiling(m, tile_tokens=16))
+    GLU form with the adapters."""
+    return untiled_vs_tiled(env, lora_llama, config(3, env), hf_batches(env, HF_VOCAB), tile=tile_lora(tile_tokens=16))
 
 
 @case

@@ -1,6 +1,6 @@
 """Hugging Face cases, run by ``worker.py``: a Llama (GLU fast form), MoE models (Mixtral, and a Qwen2-MoE
 with a shared expert and the router's auxiliary loss: the experts take the MoE form, the shared expert the
-GLU form) and a PEFT-LoRA Llama (LoRA projections, generic form), each built from a tiny config in code
+GLU form) and a PEFT-LoRA Llama (the GLU form with its adapters), each built from a tiny config in code
 with random weights, under DDP (also no_sync accumulation), FSDP2 (layer units, and the experts as units
 of their own) and FSDP1; and a checkpointed Llama with its layer inputs offloaded to host memory
 (``offload="cpu"``) under DDP and FSDP2.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import tiledmlp
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -53,6 +54,15 @@ def qwen2_moe() -> nn.Module:
 def lora_llama() -> nn.Module:
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])
     return get_peft_model(llama(), config)
+
+
+def tile_lora(**options: Any) -> Callable[[nn.Module], None]:
+    """``enable_tiling``, and a check that every MLP took the GLU form with its adapters."""
+    def tile(model: nn.Module) -> None:
+        tiledmlp.enable_tiling(model, **options)
+        infos = tiledmlp.describe(model).values()
+        assert infos and all(i.form == "glu" and "LoRA adapters" in i.computes for i in infos), list(infos)
+    return tile
 
 
 def hf_loss(model: nn.Module, batch: Batch):
@@ -158,11 +168,16 @@ def hf_llama_fsdp2_offload(env: Env) -> dict[str, Any]:
 
 @case
 def hf_peft_lora_ddp(env: Env) -> dict[str, Any]:
-    return untiled_vs_tiled(_recipe(env, lora_llama, ddp(env)), env)
+    return untiled_vs_tiled(_recipe(env, lora_llama, ddp(env), tile=tile_lora(tile_tokens=16)), env)
+
+
+@case
+def hf_peft_lora_fsdp2(env: Env) -> dict[str, Any]:
+    return untiled_vs_tiled(_recipe(env, lora_llama, fsdp2(env, LlamaDecoderLayer), tile=tile_lora(tile_tokens=16)),
+                            env)
 
 
 @case
 def hf_peft_lora_ddp_tile_before_wrap(env: Env) -> dict[str, Any]:
-    recipe = _recipe(env, lora_llama, ddp(env), tile_before_wrap=True,
-                     tile=enable(num_shards=3))
+    recipe = _recipe(env, lora_llama, ddp(env), tile_before_wrap=True, tile=tile_lora(num_shards=3))
     return untiled_vs_tiled(recipe, env)

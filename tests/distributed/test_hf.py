@@ -20,6 +20,7 @@ CASES = {
     "hf_qwen2_moe_ddp_aux_loss": "ddp",
     "hf_qwen2_moe_ddp_no_sync": "ddp",
     "hf_peft_lora_ddp": "ddp",
+    "hf_peft_lora_fsdp2": "fsdp2",
     "hf_peft_lora_ddp_tile_before_wrap": "ddp",
 }
 #: checkpointed Llama with offload="cpu": backward recomputes each layer, so each tiled MLP is called once

@@ -86,6 +86,19 @@ def test_bench_mlp_styles_smoke(tmp_path):
             assert max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
 
 
+def test_bench_mlp_lora_smoke(tmp_path):
+    """``--lora``: peft adapters on every projection, frozen base; the fast forms with the adapters and the
+    generic form both near float64, each against the untiled peft module."""
+    bench_mlp.main(["--smoke", "--lora", "4", "--style", "act_fn,plain,conv1d", "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "bench_mlp_cpu_silu_act_fn-plain-conv1d_lora4_quick.csv")
+    assert {(r["style"], r["provider"], r.get("form", "")) for r in rows if r["T"] == "64"} == {
+        (style, provider, form) for style, fast in (("act_fn", "glu"), ("plain", "mlp"), ("conv1d", "mlp"))
+        for provider, form in (("eager", "n/a"), ("tiledmlp", fast), ("tiledmlp_generic", "generic"))}
+    for row in rows:
+        assert [k for k in row if k.startswith("err_w:")] and all("lora_" in k for k in row if k.startswith("err_w:"))
+        assert max(float(row[k]) for k in ("err_out", "err_dx", "err_w_max")) < 1e-5, row
+
+
 def test_bench_mlp_compiled_providers_smoke(tmp_path):
     """The compile comparison (issue 16's bench): compiled eager and compiled tiled blocks run and agree."""
     bench_mlp.main(["--smoke", "--providers", "eager,eager_compiled,tiledmlp,tiledmlp_compiled", "--out",

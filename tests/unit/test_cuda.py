@@ -49,6 +49,39 @@ def test_bf16_error_against_float64_on_gpu(form, inter, options):
         assert e_t <= 1.15 * e_u, (e_t, e_u)
 
 
+@pytest.mark.parametrize("adapters", [torch.float32, torch.bfloat16])
+def test_lora_glu_bf16_error_against_float64_on_gpu(adapters):
+    """A bf16 GLU with peft LoRA adapters (float32 as peft keeps them, or bf16) on every projection, frozen base:
+    the fast form's output, input gradient and adapter gradients within the untiled bf16 error."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"])
+    base = inject_adapter_in_model(config, llama_mlp(H, I)).cuda()
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            p.normal_(std=0.02) if "lora_B" in name else p.requires_grad_("lora_" in name)
+
+    def cast(module, dtype, adapter_dtype):
+        for name, p in module.named_parameters():
+            p.data = p.data.to(adapter_dtype if "lora_" in name else dtype)
+        return module
+
+    ref = cast(copy.deepcopy(base), torch.float64, torch.float64)
+    untiled = cast(copy.deepcopy(base), torch.bfloat16, adapters)
+    tiled = tiledmlp.enable_tiling(cast(copy.deepcopy(base), torch.bfloat16, adapters), tile_tokens=1024)
+    assert tiledmlp.describe(tiled)[""].form == "glu"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, T, H, device="cuda", generator=gen)
+    g = torch.randn(1, T, H, device="cuda", generator=gen)
+    signals = [[t for t in _run(m, x, g, dt) if t is not None]
+               for m, dt in ((ref, torch.float64), (untiled, torch.bfloat16), (tiled, torch.bfloat16))]
+    assert len(signals[0]) == len(signals[2]) == 2 + 6  # output, input gradient, 3 x (A, B)
+    for w, got_u, got_t in zip(*signals):
+        e_u, e_t = rel_err(got_u, w), rel_err(got_t, w)
+        assert e_t <= 1.15 * e_u, (e_t, e_u)
+
+
 def _backward_peak(module) -> int:
     """Peak bytes allocated by one forward+backward above what existed before (inputs included), in
     the steady state: after one step (one-time allocations such as cuBLAS workspaces do not count)

@@ -263,6 +263,7 @@ class _DotForm:
 
     stochastic = False
     grads_in_forward = True
+    float32_sums = ()
     leading_outputs = (True,)
     returned_tuple = False
 

@@ -67,7 +67,7 @@ def test_peft_lora_llama(targets):
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
     names = tiledmlp.tiled_modules(tiled)
     assert len(names) == 2 and all(n.endswith("mlp") for n in names)
-    assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {"generic"}
+    assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {"glu"}  # adapters in the fast form
     assert_same_training_signal(tiled, ref, batch())
     trained = [n for n, p in tiled.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n for n in trained)

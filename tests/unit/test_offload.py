@@ -115,6 +115,30 @@ def test_custom_model_drop_in_checkpoint():
     assert stats["offloaded_bytes"] == 4 * 2 * TOKENS * HIDDEN * 4
 
 
+@pytest.mark.parametrize("mode", ["early", "late"])
+def test_the_previous_region_comes_back_when_prefetch_says(mode, monkeypatch):
+    """``prefetch="early"``: while a block recomputes, the previous block's inputs are already back; ``"late"``
+    (the default): they start back only when this block's input gradient is computed. Bit-identical either way."""
+    monkeypatch.setattr(offload.HostOffload, "prefetch", mode)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(4))
+    x = torch.randn(2, TOKENS, HIDDEN, requires_grad=True)
+    ref = custom_step(blocks, x, functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    host = offload.offloader_for(torch.device("cpu"))
+    h, scale = x, torch.tensor(0.5)
+    for block in blocks:
+        h = tiledmlp.checkpoint(block, h, scale)
+    regions = [ref() for ref in host._live]
+    seen = []
+    for k, block in enumerate(blocks):  # registered after the forward: these run in the recompute
+        block.register_forward_pre_hook(lambda m, args, k=k: seen.append([r.restored for r in regions[:k + 1]]))
+    h.square().mean().backward()
+    got = [p.grad for p in blocks.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref[1]))
+    # recompute order 3, 2, 1, 0: block k's own inputs are back, the previous block's as the mode says
+    assert seen == [[False] * (k - 1) + [mode == "early"] * (k > 0) + [True] for k in (3, 2, 1, 0)]
+
+
 def test_an_output_aliasing_the_input_keeps_it():
     x = torch.randn(4, HIDDEN, requires_grad=True)
     for _ in range(2):

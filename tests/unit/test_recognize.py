@@ -115,8 +115,9 @@ class TrainingDropout(TwoLayer):
         return F.dropout(super().forward(hidden), 0.5, self.training)
 
 
-def _lora_glu() -> nn.Module:
-    mlp = inject_adapter_in_model(LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]), llama_mlp())
+def _lora_glu(dropout: float) -> nn.Module:
+    config = LoraConfig(r=4, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"])
+    mlp = inject_adapter_in_model(config, llama_mlp())
     with torch.no_grad():  # adapters that matter (peft starts lora_B at zero)
         for name, p in mlp.named_parameters():
             if "lora_B" in name:
@@ -130,7 +131,8 @@ DECOYS = {
     "residual": (Residual, "matches no fast form", False),
     "three-input-gate": (ThreeInputGate, "matches no fast form", False),
     "layernorm-inside": (lambda: _WithNorm(), "outside its projections (norm.weight, norm.bias)", False),
-    "lora": (_lora_glu, "LoRA adapters", False),
+    # (a LoRA GLU without adapter dropout takes the fast form: tests/unit/test_lora.py)
+    "lora-dropout": (lambda: _lora_glu(0.1), "set lora_dropout=0 for the fast form", True),
     "dropout-module": (lambda: GPT2MLP(I, GPT2Config(n_embd=H, resid_pdrop=0.1)), "dropout (dropout: p=0.1)", True),
     "functional-dropout": (TrainingDropout, "differently in training mode", True),
 }

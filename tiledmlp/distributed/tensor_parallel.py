@@ -175,6 +175,9 @@ def tp_plan(name: str, module: nn.Module, layout: Optional[MLPLayout], slots: Se
         return names.get(id(slots[proj.weight].owner), "?")
 
     ins = [p for p in (layout.gate, layout.up) if p is not None]
+    if any(p.adapter is not None for p in (*ins, layout.down)):
+        raise ValueError(f"{name}: it is tensor parallel and carries LoRA adapters, which tiling does not shard; "
+                         "leave this model untiled, or apply the tensor-parallel plan without peft adapters.")
     up_styles, down = [style_of(p) for p in ins], style_of(layout.down)
     if down is None or down.kind != "rowwise" or any(s is None or s.kind != "colwise" for s in up_styles):
         got = ", ".join(f"{child(p)}: {'no' if style_of(p) is None else style_of(p).kind.capitalize()}Parallel"
