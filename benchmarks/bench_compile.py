@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,7 +36,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_mlp import (SETTLE_SECONDS, bench_device, compile_backend, cuda_median_ms, format_tokens_axis,  # noqa: E402
+from bench_mlp import (SETTLE_SECONDS, bench_device, compile_backend, format_tokens_axis, median_ms,  # noqa: E402
                        gpu_name, gpu_slug, package_version, plot_lines, print_rows, release_memory, run_or_status,
                        save_figure, subplots, write_csv_rows)
 
@@ -107,19 +105,6 @@ def variant_module(base: nn.Module, variant: str, counter: Optional[GraphCounter
     return torch.compile(module, backend=counter) if counter is not None else module
 
 
-def time_ms(step: Callable[[], None], device: torch.device, reps: int, warmup: int, settle_seconds: float) -> float:
-    if device.type == "cuda":
-        return cuda_median_ms(step, reps, warmup, settle_seconds)
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def peak_mib(step: Callable[[], None], device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -147,7 +132,7 @@ def measure(block: str, base: nn.Module, variant: str, tokens: int, args: argpar
         (out[0] if isinstance(out, tuple) else out).backward(grad)
 
     step()  # the first call compiles; not timed
-    result = {"time_ms": time_ms(step, device, args.reps, args.warmup, args.settle_seconds),
+    result = {"time_ms": median_ms(step, device.type == "cuda", args.reps, args.warmup, args.settle_seconds),
               "peak_mib": peak_mib(step, device)}
     if counter is not None:
         result.update(graphs=counter.graphs, tiled_ops=counter.tiled_ops)

@@ -28,9 +28,7 @@ import argparse
 import datetime
 import importlib
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,7 +40,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
-from bench_mlp import (bench_device, cuda_median_ms, fmt, format_tokens_axis, gpu_name, gpu_slug,  # noqa: E402
+from bench_mlp import (bench_device, fmt, format_tokens_axis, median_ms, gpu_name, gpu_slug,  # noqa: E402
                        package_version, plot_lines, print_rows, release_memory, run_or_status, save_figure,
                        subplots, write_csv_rows)
 
@@ -201,17 +199,8 @@ def step(loss_fn: Loss, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) 
 
 def time_ms(loss_fn: Loss, x, w, labels, reps: int, settle_seconds: float) -> float:
     """Median forward+backward time: CUDA events after one untimed step and ``settle_seconds`` of them
-    on a GPU (``bench_mlp.cuda_median_ms``), wall time on a CPU."""
-    run = lambda: step(loss_fn, x, w, labels)  # noqa: E731
-    if x.is_cuda:
-        return cuda_median_ms(run, reps, warmup=1, settle_seconds=settle_seconds)
-    run()
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+    on a GPU (``bench_mlp.median_ms``), wall time on a CPU."""
+    return median_ms(lambda: step(loss_fn, x, w, labels), x.is_cuda, reps, warmup=1, settle_seconds=settle_seconds)
 
 
 def peak_mib(loss_fn: Loss, x, w, labels) -> float:

@@ -550,6 +550,22 @@ def cuda_median_ms(fn: Callable[[], Any], reps: int, warmup: int = 0, settle_sec
     return statistics.median(times)
 
 
+def median_ms(fn: Callable[[], Any], on_gpu: bool, reps: int, warmup: int,
+              settle_seconds: float = SETTLE_SECONDS) -> float:
+    """Median time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones: CUDA events (and
+    ``settle_seconds`` of settling, :func:`cuda_median_ms`) on a GPU, wall time on a CPU."""
+    if on_gpu:
+        return cuda_median_ms(fn, reps, warmup, settle_seconds)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
 def median_time_ms(runner: Runner, x: torch.Tensor, grad_out: torch.Tensor, warmup: int, reps: int,
                    settle_seconds: float = SETTLE_SECONDS) -> float:
     """Median time of forward+backward over ``reps`` runs after ``warmup`` runs and at least
