@@ -109,7 +109,7 @@ class GradAccumulator:
         self._final: set[_Key] = set()  # block-scaled blocks already rounded to the result by their last add
         self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() >= 2
                         and i not in float32_sums for i, p in enumerate(params)]
-        self._dtypes = [torch.float32 if i in float32_sums and num_shards > 1 and p.dtype in _LOW_PRECISION
+        self._dtypes = [sum_dtype(p.dtype) if i in float32_sums and num_shards > 1
                         else accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype)
                         for i, p in enumerate(params)]
 

@@ -202,14 +202,16 @@ class LowRank:
 
     def h_block_grads(self, grads: GradAccumulator, gb: torch.Tensor, h: torch.Tensor,
                       params: Sequence[torch.Tensor], cols: slice, z: torch.Tensor) -> None:
-        """For ``h``'s columns ``cols``: ``dA[:, cols] += gb.T @ h``, and ``z += h @ A[:, cols].T`` (float32)."""
+        """For ``h``'s columns ``cols``: ``dA[:, cols] += gb.T @ h``, and ``z += h @ A[:, cols].T`` (float32, for
+        ``dB``: only when ``B`` wants a gradient)."""
         a = params[self.a]
         for lo, hi in _blocks(h.shape[1]):
             part = _shift(cols, lo, hi)
             hb = _as(h[:, lo:hi], gb.dtype)
             if grads.needs[self.a]:
                 grads.addmm(self.a, gb.t(), hb, cols=part)
-            addmm_(z, hb, _as(a[:, part], gb.dtype).t())
+            if grads.needs[self.b]:
+                addmm_(z, hb, _as(a[:, part], gb.dtype).t())
 
     def down_grads(self, grads: GradAccumulator, g: torch.Tensor, z: torch.Tensor,
                    params: Sequence[torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 import tiledmlp
 import tiledmlp.lora
+from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.lora import is_peft_lora
 from tiledmlp.mlp_form import MLPForm
 from mlp_styles import TwoLayer, biased
@@ -125,6 +126,24 @@ def test_lora_bf16_within_untiled_error(style, adapters):
         e_untiled, e_tiled = rel_err(untiled[key], ref), rel_err(tiled[key], ref)
         assert e_untiled > 1e-5, f"{key}: implausible untiled error {e_untiled:.2e}"
         assert e_tiled <= 1.1 * e_untiled, f"{key}: tiled {e_tiled:.3e} vs untiled {e_untiled:.3e}"
+
+
+@pytest.mark.parametrize("adapters", [torch.float32, torch.bfloat16])
+def test_adapter_gradients_are_summed_in_float32_whatever_grad_accum_dtype_says(adapters, monkeypatch):
+    """``float32_sums``: the adapters' shard gradients in float32 even when 2-byte sums are asked for (the base
+    weights' follow ``grad_accum_dtype``)."""
+    accumulators = []
+    real = GradAccumulator.__init__
+    monkeypatch.setattr(GradAccumulator, "__init__",
+                        lambda self, *a, **k: accumulators.append(self) or real(self, *a, **k))
+    mlp = _cast(LORA_STYLES["glu-full-finetune"][0](), torch.bfloat16, adapters)
+    tiledmlp.enable_tiling(mlp, num_shards=3, grad_accum_dtype=torch.bfloat16)
+    mlp(torch.randn(1, 24, H, dtype=torch.bfloat16)).sum().backward()
+    (acc,) = accumulators
+    rank = 4
+    dtypes = {("adapter" if rank in p.shape else "base", acc._dtypes[i])
+              for i, p in enumerate(acc._params) if p.dim() == 2}
+    assert dtypes == {("adapter", torch.float32), ("base", torch.bfloat16)}
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
