@@ -12,6 +12,8 @@ Variants (the same model object, re-configured between them):
 * ``loss``        ``tiledmlp.enable_tiling(model, loss=True)``: tiled MLPs and tiled LM head + loss.
 * ``loss+offload`` ``tiledmlp.enable_tiling(model, loss=True, offload="cpu")``: also the checkpointed layer
                   inputs in pinned host memory between forward and recompute (``tiledmlp.offload``).
+* ``loss+norms``, ``loss+norms+offload``  the same with ``norms=True``: the RMSNorms tiled too
+                  (``tiledmlp.norms``), which takes most of a layer's recompute peak away.
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -51,7 +53,7 @@ import tiledmlp  # noqa: E402
 from bench_mlp import (bench_device, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
                        plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
-VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "liger", "mlp+liger")
+VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
            "transformers", "liger", "tiledmlp", "date")
@@ -75,13 +77,12 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
 
 
 def configure(model: nn.Module, variant: str) -> None:
+    """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``."""
     tiledmlp.disable_tiling(model)
-    if variant in ("mlp", "mlp+liger"):
-        tiledmlp.enable_tiling(model)
-    elif variant == "loss":
-        tiledmlp.enable_tiling(model, loss=True)
-    elif variant == "loss+offload":
-        tiledmlp.enable_tiling(model, loss=True, offload="cpu")
+    parts = set(variant.split("+"))
+    if parts & {"mlp", "loss"}:
+        tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts,
+                               offload="cpu" if "offload" in parts else None)
 
 
 def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:

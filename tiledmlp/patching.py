@@ -15,6 +15,8 @@ Recognized (outermost match wins, so experts inside a tiled MoE block are not ti
   compute is tiled whole with the generic form, with the reason recorded and logged.
 * Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
 * With ``loss=True``, the LM head of every Hugging Face causal LM (``heads.py``): the tiled loss.
+* With ``norms=True``, normalization layers, by what they compute (``tiledmlp.norms``): the generic form,
+  shards sized by their float32 copies.
 
 Patching sets an instance attribute ``forward`` (the class is never touched) and keeps the previous
 instance forward, if any (e.g. accelerate's hooks), to restore it exactly.
@@ -40,7 +42,7 @@ from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, i
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .distributed.tensor_parallel import TPPlan, tp_plan
 from .forms import Slot
-from .compiled import module_key, tiled_call
+from .compiled import autocast_name, module_key, tiled_call
 from .function import backward_shards, forward_shards, in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
                     find_causal_lms, labels_position, patch_owner, unpatch_owner)
@@ -48,6 +50,7 @@ from .hooks import HOOK_TABLES, hooked_children
 from .logs import warn_once, warn_once_traced
 from .lora import changed_adapters
 from .mlp_form import MLPLayout
+from .norms import recognize_norm
 from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
@@ -113,11 +116,12 @@ def _is_moe(module: nn.Module) -> bool:
 
 def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
               form: str = "auto", root: Optional[nn.Module] = None,
-              experts_seen: Optional[dict[int, Recognized]] = None) -> Optional[Recognized]:
+              experts_seen: Optional[dict[int, Recognized]] = None, norms: bool = False) -> Optional[Recognized]:
     """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
-    recognized MLP block. A MoE block with ``include_moe=False`` is ``"excluded"``: neither it nor
-    anything inside it (its experts) is tiled. ``experts_seen``: experts modules a MoE block's recognition
-    already probed (by ``id``), so that a later call for the experts module itself does not probe again."""
+    recognized MLP block (or, with ``norms``, normalization layer). A MoE block with ``include_moe=False`` is
+    ``"excluded"``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
+    MoE block's recognition already probed (by ``id``), so that a later call for the experts module itself does
+    not probe again."""
     experts_seen = {} if experts_seen is None else experts_seen
     if is_fsdp1_wrapper(module):
         # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
@@ -144,6 +148,10 @@ def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe
         return Recognized("generic", tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
                           "is recomputed per shard", warn=form == "auto", moe_block=True)
     forward = _original_forward(module)
+    if norms:
+        rec = recognize_norm(module, forward, slots)
+        if rec is not None:
+            return rec
     if form == "auto" and experts_interface(module, forward):
         rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
         return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
@@ -159,7 +167,7 @@ class TilingState:
     """Everything the patched forward of one module needs."""
 
     spec: TiledCallSpec
-    kind: str  # the form: "glu", "mlp", "generic", "moe" or "loss"
+    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm" or "loss"
     input_name: str
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
@@ -277,9 +285,14 @@ def _saved_forward(module: nn.Module) -> Any:
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
-    """``(x, rebuild)``: the MLP input and a function that rebuilds the call with a shard in its place."""
+    """``(x, rebuild)``: the MLP input and a function that rebuilds the call with a shard in its place.
+
+    ``rebuild`` holds the other arguments, never ``x``: the generic form keeps it (in its autograd node) until
+    backward, and a reference to ``x`` there would keep the input alive where nothing else does — inside a
+    checkpointed region, where the checkpoint drops what the node saves, and after the region's backward."""
     if args:
-        return args[0], lambda xs: ((xs, *args[1:]), kwargs)
+        rest = args[1:]
+        return args[0], lambda xs: ((xs, *rest), kwargs)
     if state.input_name in kwargs:
         rest = {k: v for k, v in kwargs.items() if k != state.input_name}
         return kwargs[state.input_name], lambda xs: ((), {state.input_name: xs, **rest})
@@ -305,7 +318,12 @@ def _experts_args(state: TilingState, args: tuple, kwargs: dict) -> tuple[Option
 
 def _one_shard_inference(state: TilingState, x: torch.Tensor, fast: bool) -> bool:
     """Decode and short inference calls: one shard is the untiled computation, so the module's own forward runs."""
-    return not torch.is_grad_enabled() and state.spec.policy.one_shard(x.numel() // x.shape[-1], x.shape[-1], fast)
+    if torch.is_grad_enabled():
+        return False
+    tokens, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    if state.kind == "norm":
+        return state.spec.policy.norm_rows(tokens, hidden) >= tokens
+    return state.spec.policy.one_shard(tokens, hidden, fast)
 
 
 #: Said when a fast-form module's children carry hooks (the fast form would skip them).
@@ -379,6 +397,11 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     if any(is_dtensor(p) or hasattr(p, "ds_id") for p in params):
         return _eager_call(module, "its parameters are sharded (DTensor or ZeRO-3) and its strategy gathers "
                            "them", args, kwargs)
+    if state.kind == "norm" and (autocast_name(x.device.type) or any(p.dtype != x.dtype for p in params)):
+        # The operator's output is typed like its input (or autocast's dtype): a norm under autocast or with
+        # parameters of another dtype may return another one (LayerNorm runs in float32 under autocast).
+        return _eager_call(module, "it is a normalization layer called under autocast or with parameters of "
+                           "another dtype than its input, whose output dtype is known only when it runs", args, kwargs)
     # Submodules with hooks (the generic form calls them, hooks and all). Counted plainly: the hooks that
     # hooked_children discounts (tensor parallel's, ZeRO-3's) come with DTensor or ZeRO-3 parameters, which took
     # the eager call above; and reading hooks' closures, as it does, is not traceable.
@@ -494,16 +517,16 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
 
 def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
          include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
-         loss: Optional[LossOptions] = None) -> dict[str, TilingState]:
-    """Recognize and validate every MLP (and, with ``loss``, every causal-LM head) of ``model`` without
-    changing anything."""
+         loss: Optional[LossOptions] = None, norms: bool = False) -> dict[str, TilingState]:
+    """Recognize and validate every MLP (with ``loss``, every causal-LM head; with ``norms``, every
+    normalization layer) of ``model`` without changing anything."""
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
     experts_seen: dict[int, Recognized] = {}  # MoE blocks' experts, probed once
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen)
+        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms)
         if rec is None:
             continue
         covered.append(name)
@@ -519,7 +542,7 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.moe_block, grad_accum_dtype=grad_accum_dtype)
+                             is_moe=rec.moe_block, norm=rec.kind == "norm", grad_accum_dtype=grad_accum_dtype)
         names = _input_names(_original_forward(module))
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
                                    forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
@@ -538,6 +561,8 @@ def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
     if any(slot.owner not in paths for slot in rec.slots):
         return None
     slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
+    if rec.kind == "norm":  # maps its parameters' width to itself
+        return TracedCall(slot_paths, -1, 0, (rec.slots[0].get().shape[0],))
     if rec.layout is None:
         widths = hidden_sizes([lin for lin in (linear_like(n, c) for n, c in module.named_children()) if lin])
         return TracedCall(slot_paths, -1, 0, tuple(widths)) if widths and not rec.moe_block else None
@@ -569,12 +594,11 @@ def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[s
 
 
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:
-    """Patch the planned modules. A head (and its model's loss patches) that an earlier call tiled and
-    this plan does not is restored: the last ``enable_tiling`` call says whether the loss is tiled."""
+    """Patch the planned modules. A module (a head and its model's loss patches, a normalization layer) that an
+    earlier call tiled and this plan does not is restored: the last ``enable_tiling`` call says what is tiled."""
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        state = module.__dict__.get(STATE_ATTR)
-        if state is not None and state.kind == "loss" and name not in states:
+        if STATE_ATTR in module.__dict__ and name not in states:
             _restore(module)
         owner = module.__dict__.get(OWNER_ATTR)
         if owner is not None and not any(s.kind == "loss" and s.spec.owner.module_name == name for s in states.values()):

@@ -84,7 +84,7 @@ class Recognized:
     (over slot indices). ``reason``: why a module that looks like an MLP got the generic form;
     ``warn``: whether that deserves a warning (not for a generic form the user asked for)."""
 
-    kind: str  # "glu", "mlp", "moe" (fast forms), "generic"
+    kind: str  # "glu", "mlp", "moe" (fast forms), "generic", "norm" (the generic form, ``tiledmlp.norms``)
     slots: tuple[Slot, ...]
     layout: Optional[Any] = None  # an MLPLayout, or an ExpertsLayout for "moe"
     reason: str = ""
@@ -278,6 +278,10 @@ class _Probe:
         pre = x @ (w if reader.transposed else w.t())
         self.x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
         self.hidden = hidden
+
+    def given(self, x: torch.Tensor) -> None:
+        """Use ``x`` (``[1, tokens, hidden]``) as the probe tokens."""
+        self.x, self.hidden = x, x.shape[-1]
 
     def reference(self) -> Optional[torch.Tensor]:
         """The forward on the probe tokens, or None if it is not a per-token map from hidden states to

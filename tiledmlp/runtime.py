@@ -70,6 +70,7 @@ class TiledCallSpec:
     policy: ShardPolicy
     layout: Optional[MLPLayout | ExpertsLayout] = None  # the fast form's layout over slot indices; None: generic
     is_moe: bool = False  # a whole MoE block on the generic form
+    norm: bool = False  # a normalization layer on the generic form (``tiledmlp.norms``): shards sized by its copies
     grad_accum_dtype: Optional[torch.dtype] = None
 
     def __call__(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
@@ -114,7 +115,8 @@ class TiledCallSpec:
             if accum is None:
                 accum = lay.default_grad_accum_dtype
         else:
-            shard_rows = forward_rows = self.policy.shard_rows(tokens, hidden)
+            rows_for = self.policy.norm_rows if self.norm else self.policy.shard_rows
+            shard_rows = forward_rows = rows_for(tokens, hidden)
             form = ModuleForm(forward, self.slots, index, x.dim())
         call = TileCall(
             form=form,

@@ -18,6 +18,9 @@ MoE form (experts)     the largest shard up to 16384 tokens whose backward scrat
                        (``moe_scratch_per_token``: ``k`` rows per token) fits ``scratch_mib`` (default
                        ``DEFAULT_MOE_SCRATCH_MIB``, 2048: see there); equal shards
 generic form           the anchors' rule, ``ceil(tokens / hidden)`` shards
+normalization layer    the largest equal shards up to 16384 tokens whose float32 copies
+                       (``norm_scratch_per_token``) fit ``scratch_mib`` (default 512 MiB: 8192
+                       tokens of a 2048-wide layer)
 ``num_shards=N``       ``ceil(tokens / N)`` tokens
 ``tile_tokens=R``      ``R`` tokens (the last shard may be smaller)
 =====================  ==================================================================================
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token", "moe_scratch_per_token",
+           "norm_scratch_per_token", "NORM_FLOAT32_COPIES",
            "DEFAULT_SCRATCH_MIB", "DEFAULT_MOE_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT", "LossTile", "loss_tile",
            "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
 
@@ -105,6 +109,16 @@ def moe_scratch_per_token(hidden: int, inter: int, up_width: int, top_k: int, it
     copy (``4 * hidden + up_width + 2 * inter`` elements; forward needs less), plus a float32 row of the
     per-token sum."""
     return top_k * (4 * hidden + up_width + 2 * inter) * itemsize + 4 * hidden
+
+
+#: float32 copies of its input that a normalization layer's shard may hold at once: Hugging Face's RMSNorm
+#: keeps up to five in backward (measured, ``tiledmlp.norms``), plus the input's and output's shard
+NORM_FLOAT32_COPIES = 8
+
+
+def norm_scratch_per_token(hidden: int) -> int:
+    """Bytes of a tiled normalization layer's scratch per token (``NORM_FLOAT32_COPIES`` float32 rows)."""
+    return NORM_FLOAT32_COPIES * 4 * hidden
 
 
 def auto_num_shards(tokens: int, hidden: int) -> int:
@@ -175,6 +189,16 @@ class ShardPolicy:
         tokens = max(tokens, 1)
         fixed = self._fixed_rows(tokens)
         return fixed if fixed is not None else math.ceil(tokens / auto_num_shards(tokens, hidden))
+
+    def norm_rows(self, tokens: int, hidden: int) -> int:
+        """Tokens per shard of a normalization layer (``tiledmlp.norms``): a fixed cut, or the largest equal
+        shards up to ``MAX_AUTO_TILE`` tokens whose float32 copies fit the budget."""
+        tokens = max(tokens, 1)
+        fixed = self._fixed_rows(tokens)
+        if fixed is not None:
+            return fixed
+        fits = int(self._budget_bytes() // norm_scratch_per_token(hidden))
+        return _equalize(tokens, max(1, min(MAX_AUTO_TILE, fits)))
 
     def mlp_tile(self, tokens: int, inter: int, itemsize: int, gated: bool = True) -> tuple[int, int]:
         """``(tokens per backward shard, intermediate blocks)`` for the fast forms (GLU, or plain MLP

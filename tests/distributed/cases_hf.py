@@ -3,7 +3,7 @@ with a shared expert and the router's auxiliary loss: the experts take the MoE f
 GLU form) and a PEFT-LoRA Llama (the GLU form with its adapters), each built from a tiny config in code
 with random weights, under DDP (also no_sync accumulation), FSDP2 (layer units, and the experts as units
 of their own) and FSDP1; and a checkpointed Llama with its layer inputs offloaded to host memory
-(``offload="cpu"``) under DDP and FSDP2.
+(``offload="cpu"``, also with the loss and the normalization layers tiled) under DDP and FSDP2.
 """
 
 from __future__ import annotations
@@ -143,13 +143,13 @@ def checkpointed_llama() -> nn.Module:
     return model
 
 
-def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], **options: Any) -> dict[str, Any]:
     """Untiled checkpointed Llama against tiled + offloaded, under ``wrap``; reports the offloader's counts."""
     from tiledmlp import offload
 
     offload.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: offload them all the same
     offload._OFFLOADERS.clear()
-    recipe = _recipe(env, checkpointed_llama, wrap, tile=enable(tile_tokens=16, offload="cpu"))
+    recipe = _recipe(env, checkpointed_llama, wrap, tile=enable(tile_tokens=16, offload="cpu", **options))
     metrics = untiled_vs_tiled(recipe, env)
     stats = offload.offloader_for(env.device).stats
     metrics.update(offload_regions=stats["regions"], offload_restored=stats["restored"])
@@ -164,6 +164,18 @@ def hf_llama_ddp_offload(env: Env) -> dict[str, Any]:
 @case
 def hf_llama_fsdp2_offload(env: Env) -> dict[str, Any]:
     return _offload_case(env, fsdp2(env, LlamaDecoderLayer))
+
+
+@case
+def hf_llama_ddp_offload_norms(env: Env) -> dict[str, Any]:
+    """The million-token configuration: loss, normalization layers and offload (each norm's weight gradient
+    reaches DDP's reducer once)."""
+    return _offload_case(env, ddp(env), loss=True, norms=True)
+
+
+@case
+def hf_llama_fsdp2_offload_norms(env: Env) -> dict[str, Any]:
+    return _offload_case(env, fsdp2(env, LlamaDecoderLayer), loss=True, norms=True)
 
 
 @case
