@@ -144,17 +144,14 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     layout = spec.layout
     if isinstance(layout, ExpertsLayout):
         return _moe_info(base, state, params, tokens)
-    if state.kind == "norm":
-        hidden = params[0].shape[-1]
-        rows = policy.norm_rows(tokens, hidden)
-        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
-                        scratch_bytes=rows * norm_scratch_per_token(hidden))
-    if layout is None:  # generic: the anchors' rule, scratch depends on the module's forward
-        hidden = next((p.shape[-1] for p in params if p.dim() == 2), None)  # None for 1-D shards
-        if hidden is None:
+    if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
+        norm = state.kind == "norm"
+        hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)
+        if hidden is None:  # 1-D shards
             return TileInfo(**base)
-        rows = policy.shard_rows(tokens, hidden)
-        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows)
+        rows = spec.generic_rows(tokens, hidden)
+        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
+                        scratch_bytes=rows * norm_scratch_per_token(hidden) if norm else None)
     # Sizes from the modules, not the tensors: a wrapper may hold shards (FSDP1 use_orig_params) or views.
     down = spec.slots[layout.down.weight].owner
     inter = getattr(down, "in_features", None) or getattr(down, "nx", None)

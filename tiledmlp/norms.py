@@ -47,7 +47,7 @@ from torch import nn
 from .distributed.deepspeed import is_zero3_param
 from .distributed.tensor_parallel import has_tp_hooks
 from .forms import Slot
-from .recognize import PROBE_RTOL, PROBE_TOKENS, Recognized, _Probe, _probe_unavailable
+from .recognize import PROBE_RTOL, PROBE_TOKENS, Recognized, _Probe, _probe_unavailable, _rel_max_err
 
 __all__ = ["recognize_norm", "SCALE_RTOL"]
 
@@ -55,12 +55,6 @@ __all__ = ["recognize_norm", "SCALE_RTOL"]
 #: (1e-5 relative for LayerNorm's default eps on unit-variance tokens)
 SCALE_RTOL = 1e-4
 _PROBE_SCALE = 3.0
-
-
-def _rel_max_err(got: Any, ref: torch.Tensor) -> float:
-    if not isinstance(got, torch.Tensor) or got.shape != ref.shape:
-        return float("inf")
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def recognize_norm(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Optional[Recognized]:

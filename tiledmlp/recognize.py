@@ -239,7 +239,11 @@ def _exact_float32() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved)
 
 
-def _rel_max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel_max_err(got: Any, ref: torch.Tensor) -> float:
+    """Largest error relative to ``ref``'s largest magnitude; infinite for anything but a tensor of ``ref``'s
+    shape (a forward that returned something else)."""
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape:
+        return float("inf")
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
@@ -450,7 +454,7 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         return generic(f"it applies dropout ({', '.join(dropouts)}); the generic form replays it exactly. Set the "
                        "dropout probability to 0 for the fast form")
     train = [probe.run(probe.x, training=True) for _ in range(2)]
-    if any(not isinstance(t, torch.Tensor) or t.shape != ref.shape or _rel_max_err(t, ref) > PROBE_RTOL for t in train):
+    if any(_rel_max_err(t, ref) > PROBE_RTOL for t in train):
         return generic("its forward computes differently in training mode (dropout or another stochastic or "
                        "mode-dependent step); the generic form replays it exactly")
     matches = []

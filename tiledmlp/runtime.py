@@ -83,6 +83,11 @@ class TiledCallSpec:
             outs = run_tiled(run.call, run.x, run.params, run.token_inputs)
             return outs if run.call.form.returned_tuple else run.local.finish(outs[0])
 
+    def generic_rows(self, tokens: int, hidden: int) -> int:
+        """Tokens per shard of the generic form: a normalization layer's sized by its float32 copies, another
+        module's by the anchors' rule (``ShardPolicy``)."""
+        return (self.policy.norm_rows if self.norm else self.policy.shard_rows)(tokens, hidden)
+
     def prepare(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                 x: torch.Tensor, tensors: Sequence[torch.Tensor], fast_allowed: bool = True,
                 token_inputs: Sequence[torch.Tensor] = ()) -> "PreparedCall":
@@ -115,8 +120,7 @@ class TiledCallSpec:
             if accum is None:
                 accum = lay.default_grad_accum_dtype
         else:
-            rows_for = self.policy.norm_rows if self.norm else self.policy.shard_rows
-            shard_rows = forward_rows = rows_for(tokens, hidden)
+            shard_rows = forward_rows = self.generic_rows(tokens, hidden)
             form = ModuleForm(forward, self.slots, index, x.dim())
         call = TileCall(
             form=form,

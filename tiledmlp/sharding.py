@@ -175,14 +175,14 @@ class ShardPolicy:
             return math.ceil(tokens / self.num_shards)
         return None
 
-    def one_shard(self, tokens: int, hidden: int, fast: bool) -> bool:
-        """Whether a call over ``tokens`` tokens is cut into a single shard (decode, short prompts), cheaply:
-        a fixed cut that covers them, or no more than the smallest automatic shard (``_MIN_TILE`` tokens
-        for the fast forms, ``hidden`` for the generic form's ``ceil(tokens / hidden)`` shards)."""
+    def one_shard(self, tokens: int) -> bool:
+        """Whether a fast form's call over ``tokens`` tokens is cut into a single shard (decode, short prompts),
+        cheaply: a fixed cut that covers them, or no more than the smallest automatic shard (``_MIN_TILE``
+        tokens). The generic form's calls ask their shard size itself (``TiledCallSpec.generic_rows``)."""
         fixed = self._fixed_rows(max(tokens, 1))
         if fixed is not None:
             return fixed >= tokens
-        return tokens <= (_MIN_TILE if fast else hidden)
+        return tokens <= _MIN_TILE
 
     def shard_rows(self, tokens: int, hidden: int) -> int:
         """Tokens per shard for the generic form (a module whose scratch we cannot size)."""
