@@ -17,6 +17,8 @@ back to back, and 1.210 / 1.210 / 1.209 over 3 s of one provider alone (``docs/b
 Writes ``benchmarks/results/bench_paired_<gpu>_<act>.csv``.
 
 ``python3 benchmarks/bench_paired.py --seq-lens 8192,32768,131072 --rounds 15``
+``python3 benchmarks/bench_paired.py --style plain --act gelu_tanh --hidden 1600 --intermediate 6400 \
+--providers eager,tiledmlp`` (GPT-2-XL's plain MLP).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--act", choices=sorted(bm.ACTIVATIONS), default="silu")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--style", choices=bm.STYLES, default="act_fn",
+                        help="how the MLP is written (bench_mlp.py --style); plain: fc1 -> act -> fc2 with biases")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--turn-seconds", type=float, default=0.6,
                         help="length of one provider's turn (untimed then timed back-to-back steps)")
@@ -72,9 +76,10 @@ def main() -> None:
     if providers[0] != "eager":
         parser.error("--providers must start with eager (the ratios' baseline)")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    shape = bm.Shape(args.hidden, args.intermediate, args.act)
+    shape = bm.Shape(args.hidden, args.intermediate, args.act, style=args.style)
     state = bm.master_state_dict(shape, device, dtype, 0)
-    meta = {"act": args.act, "hidden": shape.hidden, "intermediate": shape.intermediate, "dtype": "bfloat16",
+    meta = {"act": args.act, "style": args.style, "hidden": shape.hidden, "intermediate": shape.intermediate,
+            "dtype": "bfloat16",
             "gpu_name": bm.gpu_name(device), **bm.package_versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     rows = []
@@ -96,7 +101,8 @@ def main() -> None:
         del runners
         bm.release_memory()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_paired_{bm.gpu_slug(device)}_{args.act}.csv"
+    style = "" if args.style == "act_fn" else f"_{args.style}_H{shape.hidden}"
+    path = args.out / f"bench_paired_{bm.gpu_slug(device)}_{args.act}{style}.csv"
     bm.write_csv(path, rows)
     print(f"wrote {path}")
 

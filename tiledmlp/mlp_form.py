@@ -14,9 +14,9 @@ Each projection is a :class:`Proj`: an ``nn.Linear``-like map whose weight may b
 LoRA adapter (``tiledmlp.lora``).
 
 Backward recomputes only the pre-activations (``gate`` and ``up``, or ``up``), never the down
-projection. With ``dh`` computed one column block at a time the fused activation kernel overwrites
-``dh`` with ``h`` and the pre-activation buffers with their gradients, so a shard costs about
-``(2 or 1) * rows * intermediate + rows * dh block`` elements of scratch
+projection. With ``dh`` computed one column block at a time (a GLU's; a plain MLP's whole) the fused
+activation kernel overwrites ``dh`` with ``h`` and the pre-activation buffers with their gradients, so
+a shard costs about ``(2 or 1) * rows * intermediate + rows * dh block`` elements of scratch
 (``sharding.mlp_scratch_per_token``).
 
 FLOP per token (H hidden, I intermediate): gated forward 6·H·I, backward 16·H·I (2 recompute GEMMs
@@ -101,10 +101,16 @@ class Proj:
         else:
             grads.addmm(self.weight, d_out.t(), inp, rows=out_rows, cols=in_cols)
 
-    def bias_grad(self, grads: GradAccumulator, d_out: torch.Tensor, out_rows: slice = slice(None)) -> None:
-        """``db[out_rows] += d_out.sum(0)``, summed in float32 for 16-bit ``d_out`` (rounded once, at the end)."""
-        if self.bias is not None and grads.needs[self.bias]:
-            grads.add(self.bias, d_out.sum(0, dtype=sum_dtype(d_out.dtype)), rows=out_rows)
+    def needs_bias_grad(self, grads: GradAccumulator) -> bool:
+        return self.bias is not None and grads.needs[self.bias]
+
+    def bias_grad(self, grads: GradAccumulator, d_out: torch.Tensor, out_rows: slice = slice(None),
+                  sums: Optional[torch.Tensor] = None) -> None:
+        """``db[out_rows] += d_out.sum(0)``, summed in float32 for 16-bit ``d_out`` (rounded once, at the end);
+        ``sums``: that column sum, already computed (by the plain MLP's activation kernel)."""
+        if self.needs_bias_grad(grads):
+            sums = d_out.sum(0, dtype=sum_dtype(d_out.dtype)) if sums is None else sums
+            grads.add(self.bias, sums, rows=out_rows)
 
 
 @dataclass(frozen=True)
@@ -217,13 +223,16 @@ class MLPForm:
         u, z = lay.up.linear_z(x, params, sl)
         return (u,), [(u, lay.up, sl, z)]
 
-    def _activation_backward(self, dh: torch.Tensor, operands, cols: slice) -> None:
-        """``dh <- h`` and the pre-activation columns ``cols`` <- their gradients."""
+    def _activation_backward(self, dh: torch.Tensor, operands, cols: slice,
+                             bias_sums: Optional[torch.Tensor]) -> None:
+        """``dh <- h`` and the pre-activation columns ``cols`` <- their gradients; a plain MLP's
+        ``bias_sums[cols]`` (when given) <- the up projection's bias gradient over those columns."""
         if self.layout.gated:
             gate, up = operands
             glu_backward_(dh, gate[:, cols], up[:, cols], self.layout.activation)
         else:
-            mlp_backward_(dh, operands[0][:, cols], self.layout.activation)
+            mlp_backward_(dh, operands[0][:, cols], self.layout.activation,
+                          bias_grad=None if bias_sums is None else bias_sums[cols])
 
     def _input_adapters(self) -> list[LowRank]:
         """The adapters of the projections that read the input (one for a fused gate/up projection)."""
@@ -252,7 +261,8 @@ class MLPForm:
         w_down = lay.down.w(params)
         inter = w_down.shape[1]
         blocks = chunk_bounds(inter, self.inter_chunks)
-        dh_bounds = [[(start + a, start + b) for a, b in dh_blocks(stop - start)] for start, stop in blocks]
+        dh_bounds = [[(start + a, start + b) for a, b in dh_blocks(stop - start, lay.gated)]
+                     for start, stop in blocks]
         self._plan(grads, blocks, dh_bounds, inter, x.shape[1])
         whole_fused = lay.fused and len(blocks) == 1
         down_adapter, rows = lay.down.adapter, x.shape[0]
@@ -270,6 +280,10 @@ class MLPForm:
                 gc, xc = g.to(cdt), x.to(cdt)
                 gb = None if down_adapter is None else down_adapter.grad_through(gc, params)
             sub_blocks = dh_bounds[block_idx]
+            # A plain MLP's up-projection bias gradient comes out of its activation kernel (one pass over
+            # d_u fewer); float32 sums of the rounded d_u, as bias_grad's own sum.
+            bias_sums = (torch.empty(stop - start, dtype=torch.float32, device=x.device)
+                         if not lay.gated and lay.up.needs_bias_grad(grads) else None)
             # One buffer for every dh block (a fresh tensor per block would be allocated while the
             # previous one is still referenced: two blocks of scratch instead of one).
             dh_buf = torch.empty(rows * max(b - a for a, b in sub_blocks), dtype=cdt, device=x.device)
@@ -279,14 +293,15 @@ class MLPForm:
                 torch.mm(gc, w_down[:, sub_start:sub_stop].to(cdt), out=dh)
                 if down_adapter is not None:
                     down_adapter.add_dh_(dh, gb, params, slice(sub_start, sub_stop))
-                self._activation_backward(dh, operands, cols)  # dh <- h, pre-activations <- their grads
+                self._activation_backward(dh, operands, cols, bias_sums)  # dh <- h, pre-activations <- grads
                 lay.down.weight_grad(grads, gc, dh, in_cols=slice(sub_start, sub_stop))  # g.T @ h
                 if down_adapter is not None:
                     down_adapter.h_block_grads(grads, gb, dh, params, slice(sub_start, sub_stop), z_down)
             del dh, dh_buf, operands  # before the weight-gradient partials need their buffer
             for d_out, proj, out_rows, z in buffers:
                 proj.weight_grad(grads, d_out, xc, out_rows=out_rows)
-                proj.bias_grad(grads, d_out, out_rows)
+                sums = bias_sums if proj is lay.up and not lay.gated else None
+                proj.bias_grad(grads, d_out, out_rows, sums=sums)
                 if proj.adapter is not None:
                     proj.adapter.output_grads(grads, d_out, z, params, out_rows, dzs[proj.adapter])
             if dx_out is not None:

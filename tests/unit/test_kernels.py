@@ -193,6 +193,24 @@ def test_mlp_kernels_match_float64_reference(backend, dtype, activation, case):
     assert_padding_untouched(x)
 
 
+@pytest.mark.parametrize("rows", [5, 130])  # fewer and more rows than one program of the summing kernel sums
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_mlp_backward_sums_the_bias_gradient_in_the_same_pass(backend, dtype, rows):
+    """``bias_grad`` gets the float32 column sums of the stored (rounded) ``d_u``: what
+    ``d_u.sum(0, dtype=float32)`` gives after the pass, up to float32 summation order."""
+    x = make_inputs("padded", rows, 300, dtype)
+    plain_grad_h, plain_u = x.grad_h.clone(), x.gate.clone()
+    mlp_backward_(plain_grad_h, plain_u, "gelu_tanh", backend=backend)
+    bias_grad = torch.full((300,), math.nan)
+    assert mlp_backward_(x.grad_h, x.gate, "gelu_tanh", bias_grad=bias_grad, backend=backend) is None
+    assert torch.equal(x.grad_h, plain_grad_h) and torch.equal(x.gate, plain_u)
+    bound = 1e-6 * plain_u.float().abs().sum(0)  # float32 rounding of either summation order
+    assert ((bias_grad - plain_u.sum(0, dtype=torch.float32)).abs() <= bound).all()
+    with pytest.raises(ValueError, match="bias_grad must be a float32 \\[300\\]"):
+        mlp_backward_(x.grad_h, x.gate, "gelu_tanh", bias_grad=torch.zeros(299), backend=backend)
+
+
 def test_mlp_kernels_reject_shared_buffers_and_unknown_activations():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="share memory"):

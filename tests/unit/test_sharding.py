@@ -62,7 +62,10 @@ def test_blocks_are_aligned_for_fast_gemms():
     assert dh_blocks(7168) == [(0, 2048), (2048, 4096), (4096, 6144), (6144, 7168)]
     assert dh_blocks(11008) == [(0, 3072), (3072, 6144), (6144, 9216), (9216, 11008)]
     assert dh_blocks(3000) == [(0, 2048), (2048, 3000)]
-    assert mlp_scratch_per_token(6400, 2, gated=False) == (6400 + 2048) * 2  # a plain MLP: no gate rows
+    assert dh_blocks(6400, gated=False) == [(0, 6400)]  # a plain MLP computes dh whole...
+    assert dh_blocks(10240, gated=False) == dh_blocks(10240)  # ...while 16384 tokens of it fit 512 MiB
+    assert mlp_scratch_per_token(10240, 2, gated=False) == (10240 + 3072) * 2
+    assert mlp_scratch_per_token(6400, 2, gated=False) == 2 * 6400 * 2  # no gate rows, a whole dh
     assert chunk_bounds(88, 3) == [(0, 64), (64, 88)]
     assert chunk_bounds(5, 8) == [(0, 5)]
 
