@@ -228,4 +228,3 @@ class LowRank:
         if grads.needs[self.a]:
             grads.plan_columns(self.a, [(start + lo, start + hi) for start, stop in dh_bounds
                                         for lo, hi in _blocks(stop - start)])
-

@@ -300,8 +300,7 @@ class MLPForm:
             del dh, dh_buf, operands  # before the weight-gradient partials need their buffer
             for d_out, proj, out_rows, z in buffers:
                 proj.weight_grad(grads, d_out, xc, out_rows=out_rows)
-                sums = bias_sums if proj is lay.up and not lay.gated else None
-                proj.bias_grad(grads, d_out, out_rows, sums=sums)
+                proj.bias_grad(grads, d_out, out_rows, sums=bias_sums if proj is lay.up else None)
                 if proj.adapter is not None:
                     proj.adapter.output_grads(grads, d_out, z, params, out_rows, dzs[proj.adapter])
             if dx_out is not None:

@@ -29,8 +29,9 @@ pinned host memory instead:
 
 The copies are bit-exact, so losses and gradients are identical to the run without offload. Memory:
 one region's inputs on the GPU at a time during backward (plus, between two regions' backward, the one
-being prefetched), instead of all of them. Host memory: the sum of all regions' inputs, checked against the host's available memory
-when a step first needs more buffers (a ``MemoryError`` before the copies, not the OOM killer).
+being prefetched), instead of all of them. Host memory: the sum of all regions' inputs, checked against
+the host's available memory when a step first needs more buffers (a ``MemoryError`` before the copies,
+not the OOM killer).
 Communication: none.
 
 On a CPU device the same mechanics run synchronously (copy to a separate host buffer, free, copy back):

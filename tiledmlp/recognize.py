@@ -37,11 +37,11 @@ the adapter's computation and scale as well.
 What the fast forms do not compute makes a candidate generic, with the reason in
 ``Recognized.reason``: parameters or buffers outside the projections (a learned scale), a LoRA
 layer in another state (adapter dropout, merged, several adapters, DoRA), dropout, a forward that
-matches no candidate (a residual inside, a squared output, a third gating input). The probe cannot run on meta tensors, FSDP1's flat-parameter views or
-shards, or FSDP2 units inside the module; there a module named like a Hugging Face GLU (``gate_proj``/``up_proj``/
-``down_proj`` or ``gate_up_proj``/``down_proj``, activation in ``act_fn``/``activation_fn``)
-gets the GLU form on its structure alone, as before the probe existed, and other MLP-named
-modules the generic form.
+matches no candidate (a residual inside, a squared output, a third gating input). The probe cannot
+run on meta tensors, FSDP1's flat-parameter views or shards, or FSDP2 units inside the module; there
+a module named like a Hugging Face GLU (``gate_proj``/``up_proj``/``down_proj`` or
+``gate_up_proj``/``down_proj``, activation in ``act_fn``/``activation_fn``) gets the GLU form on its
+structure alone, as before the probe existed, and other MLP-named modules the generic form.
 """
 
 from __future__ import annotations

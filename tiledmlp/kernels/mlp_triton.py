@@ -31,6 +31,20 @@ def mlp_forward_kernel(
 
 
 @triton.jit
+def _backward_row(grad_h_ptrs, u_ptrs, mask, ACTIVATION: tl.constexpr):
+    """One row block in place: ``grad_h <- act(u)``, ``u <- grad_h * act'(u)``; returns the stored
+    (rounded) ``d_u``. Loads both before storing either, so overwriting the inputs is safe as long as
+    the two tensors do not overlap."""
+    grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
+    act, act_grad = _activation_and_grad(u, ACTIVATION)
+    d_u = (grad_h * act_grad).to(u_ptrs.dtype.element_ty)
+    tl.store(grad_h_ptrs, act.to(grad_h_ptrs.dtype.element_ty), mask=mask)
+    tl.store(u_ptrs, d_u, mask=mask)
+    return d_u
+
+
+@triton.jit
 def mlp_backward_kernel(
     grad_h_ptr,
     u_ptr,
@@ -40,21 +54,11 @@ def mlp_backward_kernel(
     ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """In place: grad_h <- act(u), u <- grad_h * act'(u).
-
-    Each program loads its elements before storing any, so overwriting the inputs is safe as
-    long as the two tensors do not overlap.
-    """
+    """In place: grad_h <- act(u), u <- grad_h * act'(u) (one row and ``BLOCK_N`` columns per program)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    grad_h_ptrs = grad_h_ptr + row * stride_grad_h + cols
-    u_ptrs = u_ptr + row * stride_u + cols
-    grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
-    act, act_grad = _activation_and_grad(u, ACTIVATION)
-    tl.store(grad_h_ptrs, act.to(grad_h_ptr.dtype.element_ty), mask=mask)
-    tl.store(u_ptrs, (grad_h * act_grad).to(u_ptr.dtype.element_ty), mask=mask)
+    _backward_row(grad_h_ptr + row * stride_grad_h + cols, u_ptr + row * stride_u + cols, cols < n_cols,
+                  ACTIVATION)
 
 
 @triton.jit
@@ -80,13 +84,6 @@ def mlp_backward_colsum_kernel(
     for i in range(ROWS):
         row = block * ROWS + i
         m = mask & (cols * 0 + row < n_rows)  # (a vector test: the interpreter takes no scalar mask)
-        grad_h_ptrs = grad_h_ptr + row * stride_grad_h + cols
-        u_ptrs = u_ptr + row * stride_u + cols
-        grad_h = tl.load(grad_h_ptrs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptrs, mask=m, other=0.0).to(tl.float32)
-        act, act_grad = _activation_and_grad(u, ACTIVATION)
-        d_u = (grad_h * act_grad).to(u_ptr.dtype.element_ty)
-        tl.store(grad_h_ptrs, act.to(grad_h_ptr.dtype.element_ty), mask=m)
-        tl.store(u_ptrs, d_u, mask=m)
+        d_u = _backward_row(grad_h_ptr + row * stride_grad_h + cols, u_ptr + row * stride_u + cols, m, ACTIVATION)
         total += tl.where(m, d_u.to(tl.float32), 0.0)
     tl.store(partial_ptr + block * n_cols + cols, total, mask=mask)
