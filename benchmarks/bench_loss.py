@@ -131,7 +131,8 @@ def tiled_mode(provider: str, tokens: int, vocab: int, hidden: int, dtype: torch
 
     mode = TILED_MODES[provider]
     tile = loss_tile(tokens, vocab, hidden, torch.finfo(dtype).bits // 8,
-                     loss_budget_bytes(tokens * hidden * torch.finfo(dtype).bits // 8), mode)
+                     loss_budget_bytes(tokens * hidden * torch.finfo(dtype).bits // 8), mode,
+                     scaled_sums=provider == "tiledmlp_scaled" and dtype == torch.bfloat16)
     return f"{'fused' if tile.fused else 'recompute'}:{tile.rows}x{tile.vocab_chunk}"
 
 

@@ -9,11 +9,13 @@ the caller sums (``mean``/``sum``) or returns (``none``).
 
 Design note — why the head gradient is summed in float32
 -------------------------------------------------------
-A loss call has many shards (37 at 32K tokens for a 128K vocabulary under the default budget) and its
+A loss call has many shards (32 at 32K tokens for a 128K vocabulary under the default budget) and its
 per-shard head-gradient partials cancel heavily (``p - onehot``). Block-scaled float16 sums of bf16
 partials, which the MLPs use, measured 1.20x (8K) and 1.46x (32K) the untiled gradient error on an
 H200; float32 sums measured 1.00x, and were also faster (cuBLAS adds each partial in its epilogue
-instead of a separate pass): 47.7 vs 52.1 ms at 8K, 184 vs 204 ms at 32K (``bench_loss``).
+instead of a separate pass): 46.9 vs 53.3 ms at 8K, 184.0 vs 202.8 ms at 32K (``bench_loss``). Exact
+2-byte sums need a GEMM that adds its float32 result into them in its own epilogue; written in Triton
+it measured slower than cuBLAS with float32 C (``docs/loss.md``), so it was not built.
 
 Design note — two ways to cut the work (``sharding.loss_tile``)
 ----------------------------------------------------------------
@@ -268,9 +270,10 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
         budget = loss_budget_bytes(x.numel() * x.element_size(), spec.scratch_mib)
         itemsize = torch.finfo(dtype).bits // 8
         fusable = wants_grads and spec.reduction != "none"
-        tile = loss_tile(tokens, vocab, width, itemsize, budget, spec.mode, fusable)
+        scaled_sums = grad_accum_dtype is None and weight.dtype == torch.bfloat16  # GradAccumulator's rule
+        tile = loss_tile(tokens, vocab, width, itemsize, budget, spec.mode, fusable, scaled_sums)
         if fusable and not tile.fused and spec.mode == "auto":
-            _report_recompute(name, vocab, itemsize, budget, tile.rows)
+            _report_recompute(name, vocab, itemsize, budget, scaled_sums)
         side = (flat_labels.contiguous(),)
         if not tile.fused and wants_grads:
             side += (torch.empty(tokens, dtype=stats_dtype(dtype), device=x.device),)  # each token's lse
@@ -286,12 +289,12 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
     return per_token.sum()
 
 
-def _report_recompute(name: str, vocab: int, itemsize: int, budget: int, rows: int) -> None:
+def _report_recompute(name: str, vocab: int, itemsize: int, budget: int, scaled_sums: bool) -> None:
     """Say once per shape that the automatic policy took the slower, recomputing mode."""
-    needed = (MIN_FUSED_ROWS * vocab * itemsize + LOSS_PARTIAL_MIB * 2**20) / 2**20
+    needed = -(-(MIN_FUSED_ROWS * vocab * itemsize + (LOSS_PARTIAL_MIB * 2**20 if scaled_sums else 0)) // 2**20)
     warn_once(("loss recompute", vocab, itemsize, budget),
               "%s: logits are recomputed in backward (8 instead of 6 T*H*V FLOP): a fused shard of the %d-class "
-              "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %.0f MiB "
+              "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %d MiB "
               "or more fuses it (enable_tiling(..., loss_scratch_mib=) or scratch_mib=).", name, vocab,
               MIN_FUSED_ROWS, budget / 2**20, needed)
 

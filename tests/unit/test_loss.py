@@ -6,6 +6,7 @@ the in-forward gradients (no GEMM in backward); and bad input."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -215,16 +216,23 @@ def test_tile_policy():
     mib = 2**20
     assert loss_budget_bytes(64 * mib) == 256 * mib and loss_budget_bytes(1024 * mib) == 1024 * mib
     assert loss_budget_bytes(1024 * mib, scratch_mib=8) == 8 * mib
-    # Llama-3 vocabulary, 8K tokens: fused shards of ~800 rows whose bf16 logits fit 256 MiB with the partial
+    # Llama-3 vocabulary, 8K tokens, float32 head sums (the default): fused shards of 1024 rows whose bf16
+    # logits take the whole 256 MiB (cuBLAS adds each GEMM into the sums: no partial buffer)
     tile = loss_tile(8192, 128256, 4096, 2, 256 * mib)
-    assert tile.fused and tile.vocab_chunk == 128256 and tile.rows * 128256 * 2 <= 224 * mib
-    assert tile.partial_mib == 32  # the rest of the budget: the head gradient's partial buffer
-    # Gemma-3 vocabulary, same budget: fused shards of ~450 rows, above MIN_FUSED_ROWS
-    assert loss_tile(8192, 262144, 4096, 2, 256 * mib).fused
+    assert tile.fused and tile.vocab_chunk == 128256 and tile.partial_mib == 0
+    assert 224 * mib < tile.rows * 128256 * 2 <= 256 * mib
+    # block-scaled sums: ~800 rows, the rest of the budget is the head gradient's partial buffer
+    tile = loss_tile(8192, 128256, 4096, 2, 256 * mib, scaled_sums=True)
+    assert tile.fused and tile.rows * 128256 * 2 <= 224 * mib and tile.partial_mib == 32
+    # Gemma-3 vocabulary, same budget: fused shards of 512 (432 with the partial) rows, above MIN_FUSED_ROWS
+    assert loss_tile(8192, 262144, 4096, 2, 256 * mib).rows == 512
+    assert loss_tile(8192, 262144, 4096, 2, 256 * mib, scaled_sums=True).rows == 432
     # a 64 MiB budget: a fused shard would hold fewer than MIN_FUSED_ROWS tokens, so vocabulary chunks
-    tile = loss_tile(8192, 262144, 4096, 2, 64 * mib)
-    assert not tile.fused and tile.rows * (tile.vocab_chunk * 2 + 4096 * 4) + tile.partial_mib * mib <= 64 * mib
-    assert (48 * mib) // (262144 * 2) < MIN_FUSED_ROWS and tile.partial_mib == 16
+    for scaled in (False, True):
+        tile = loss_tile(8192, 262144, 4096, 2, 64 * mib, scaled_sums=scaled)
+        assert not tile.fused and tile.rows * (tile.vocab_chunk * 2 + 4096 * 4) + tile.partial_mib * mib <= 64 * mib
+        assert tile.partial_mib == (16 if scaled else 0)
+    assert (64 * mib) // (262144 * 2) < MIN_FUSED_ROWS
     assert loss_tile(8192, 262144, 4096, 2, 256 * mib, mode="fused").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, mode="recompute").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, fusable=False).fused
@@ -274,3 +282,5 @@ def test_the_automatic_fallback_to_recompute_is_said(caplog):
             tiled_linear_cross_entropy(x, w.requires_grad_(), labels, scratch_mib=SCRATCH).backward()
     said = [r.getMessage() for r in caplog.records if "recomputed in backward" in r.getMessage()]
     assert len(said) == 1 and "MiB or more fuses it" in said[0], said
+    suggested = int(re.search(r"A budget of (\d+) MiB", said[0]).group(1))
+    assert loss_tile(labels.numel(), w.shape[0], w.shape[1], 4, suggested * 2**20).fused  # the fix named works
