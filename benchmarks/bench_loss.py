@@ -127,12 +127,13 @@ def tiled_mode(provider: str, tokens: int, vocab: int, hidden: int, dtype: torch
     """Which mode tiledmlp runs for this shape (as its loss policy decides)."""
     if not provider.startswith("tiledmlp"):
         return "n/a"
+    from tiledmlp.accumulate import block_scaled
     from tiledmlp.sharding import loss_budget_bytes, loss_tile
 
     mode = TILED_MODES[provider]
     tile = loss_tile(tokens, vocab, hidden, torch.finfo(dtype).bits // 8,
                      loss_budget_bytes(tokens * hidden * torch.finfo(dtype).bits // 8), mode,
-                     scaled_sums=provider == "tiledmlp_scaled" and dtype == torch.bfloat16)
+                     scaled_sums=block_scaled(None if provider == "tiledmlp_scaled" else torch.float32, dtype))
     return f"{'fused' if tile.fused else 'recompute'}:{tile.rows}x{tile.vocab_chunk}"
 
 

@@ -44,7 +44,7 @@ import torch
 
 from .kernels.scaled_accum import BLOCK, scaled_accumulate_, scaled_empty, scaled_finalize_
 
-__all__ = ["GradAccumulator", "PARTIAL_MIB", "addmm_", "mm_into", "sum_dtype"]
+__all__ = ["GradAccumulator", "PARTIAL_MIB", "addmm_", "block_scaled", "mm_into", "sum_dtype"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _Key = tuple[int, Optional[int], Optional[int], Optional[int], Optional[int]]  # (parameter, rows, cols)
@@ -54,6 +54,12 @@ PARTIAL_MIB = 64  # the largest partial-gradient buffer of a block-scaled accumu
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a sum of ``dtype`` partials is kept in: float32 for 16-bit floats, else ``dtype``."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def block_scaled(accum_dtype: Optional[torch.dtype], dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` weight (2-D or more, several shards) is summed block-scaled under ``accum_dtype``:
+    the representation that needs each shard's partial as a tensor (a partial buffer)."""
+    return accum_dtype is None and dtype == torch.bfloat16
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -107,7 +113,7 @@ class GradAccumulator:
         self._exps: list[Optional[torch.Tensor]] = [None] * len(params)  # block-scaled only
         self._adds: dict[_Key, int] = {}  # contributions so far, per (parameter, rows, cols) block
         self._final: set[_Key] = set()  # block-scaled blocks already rounded to the result by their last add
-        self._scaled = [accum_dtype is None and num_shards > 1 and p.dtype == torch.bfloat16 and p.dim() >= 2
+        self._scaled = [block_scaled(accum_dtype, p.dtype) and num_shards > 1 and p.dim() >= 2
                         and i not in float32_sums for i, p in enumerate(params)]
         self._dtypes = [sum_dtype(p.dtype) if i in float32_sums and num_shards > 1
                         else accum_dtype or (sum_dtype(p.dtype) if num_shards > 1 else p.dtype)

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .accumulate import block_scaled
 from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .offload import offloaded_layers
@@ -195,8 +196,8 @@ def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[in
     head = spec.slots[0].owner  # sizes from the module: a wrapper may hold a shard of the weight
     vocab, hidden, itemsize = head.out_features, head.in_features, params[0].element_size()
     budget = loss_budget_bytes(tokens * hidden * itemsize, options.scratch_mib)
-    scaled_sums = options.grad_accum_dtype is None and params[0].dtype == torch.bfloat16
-    tile = loss_tile(tokens, vocab, hidden, itemsize, budget, options.mode, scaled_sums=scaled_sums)
+    tile = loss_tile(tokens, vocab, hidden, itemsize, budget, options.mode,
+                     scaled_sums=block_scaled(options.grad_accum_dtype, params[0].dtype))
     return TileInfo(**base, num_shards=math.ceil(tokens / tile.rows), shard_tokens=tile.rows, scratch_bytes=budget)
 
 

@@ -51,14 +51,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
+from .accumulate import GradAccumulator, addmm_, block_scaled, mm_into, sum_dtype
 from .distributed.deepspeed import gathered, is_zero3_param
 from .distributed.detect import is_dtensor
 from .distributed.strategies import DeepSpeedStrategy, PlainStrategy, Strategy
 from .function import TileCall, run_tiled
 from .kernels.cross_entropy import LogitTransform, ce_finalize, ce_grad_, ce_stats_, new_stats, stats_dtype
 from .logs import warn_once
-from .sharding import LOSS_MODES, LOSS_PARTIAL_MIB, MIN_FUSED_ROWS, chunk_bounds, loss_budget_bytes, loss_tile
+from .sharding import (LOSS_MODES, MIN_FUSED_ROWS, chunk_bounds, fused_loss_budget_bytes, loss_budget_bytes,
+                       loss_tile)
 
 
 __all__ = ["CrossEntropySpec", "LinearCrossEntropyForm", "LogitTransform", "linear_cross_entropy",
@@ -270,7 +271,7 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
         budget = loss_budget_bytes(x.numel() * x.element_size(), spec.scratch_mib)
         itemsize = torch.finfo(dtype).bits // 8
         fusable = wants_grads and spec.reduction != "none"
-        scaled_sums = grad_accum_dtype is None and weight.dtype == torch.bfloat16  # GradAccumulator's rule
+        scaled_sums = block_scaled(grad_accum_dtype, weight.dtype)  # whether the head sums need a partial buffer
         tile = loss_tile(tokens, vocab, width, itemsize, budget, spec.mode, fusable, scaled_sums)
         if fusable and not tile.fused and spec.mode == "auto":
             _report_recompute(name, vocab, itemsize, budget, scaled_sums)
@@ -291,7 +292,7 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
 
 def _report_recompute(name: str, vocab: int, itemsize: int, budget: int, scaled_sums: bool) -> None:
     """Say once per shape that the automatic policy took the slower, recomputing mode."""
-    needed = -(-(MIN_FUSED_ROWS * vocab * itemsize + (LOSS_PARTIAL_MIB * 2**20 if scaled_sums else 0)) // 2**20)
+    needed = -(-fused_loss_budget_bytes(vocab, itemsize, scaled_sums) // 2**20)  # rounded up: a budget that fuses
     warn_once(("loss recompute", vocab, itemsize, budget),
               "%s: logits are recomputed in backward (8 instead of 6 T*H*V FLOP): a fused shard of the %d-class "
               "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %d MiB "

@@ -46,7 +46,8 @@ __all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_s
            "norm_scratch_per_token", "NORM_FLOAT32_COPIES",
            "DEFAULT_SCRATCH_MIB", "DEFAULT_MOE_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT",
            "PLAIN_DH_WHOLE_MAX", "LossTile", "loss_tile",
-           "loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB", "LOSS_MODES", "MIN_FUSED_ROWS"]
+           "loss_budget_bytes", "fused_loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB",
+           "LOSS_MODES", "MIN_FUSED_ROWS"]
 
 DEFAULT_SCRATCH_MIB = 512
 #: The MoE form's default budget. Each shard is a pass over every expert's weight-gradient accumulator
@@ -299,6 +300,13 @@ def _align_down(value: int, limit: int) -> int:
     """``value`` capped at ``limit`` and, when at least ``_ALIGN``, rounded down to a multiple of it."""
     value = min(value, limit)
     return value if value < _ALIGN or value == limit else value // _ALIGN * _ALIGN
+
+
+def fused_loss_budget_bytes(vocab: int, itemsize: int, scaled_sums: bool) -> int:
+    """A budget (bytes) with which :func:`loss_tile` fuses shards of ``MIN_FUSED_ROWS`` tokens: their logits
+    and, with ``scaled_sums``, the whole partial buffer (which a smaller budget caps at a quarter of
+    itself, so this may be more than the least that fuses, never less)."""
+    return MIN_FUSED_ROWS * vocab * itemsize + (LOSS_PARTIAL_MIB * 2**20 if scaled_sums else 0)
 
 
 def loss_tile(tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, mode: str = "auto",

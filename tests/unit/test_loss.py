@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiledmlp import tiled_linear_cross_entropy
-from tiledmlp.sharding import MIN_FUSED_ROWS, loss_budget_bytes, loss_tile
+from tiledmlp.sharding import MIN_FUSED_ROWS, fused_loss_budget_bytes, loss_budget_bytes, loss_tile
 from unit_helpers import rel_err
 
 T, H, V = 240, 32, 200
@@ -233,6 +233,11 @@ def test_tile_policy():
         assert not tile.fused and tile.rows * (tile.vocab_chunk * 2 + 4096 * 4) + tile.partial_mib * mib <= 64 * mib
         assert tile.partial_mib == (16 if scaled else 0)
     assert (64 * mib) // (262144 * 2) < MIN_FUSED_ROWS
+    for scaled in (False, True):  # the budget the recompute fallback's log names fuses
+        for vocab in (1000, 262144):
+            budget = fused_loss_budget_bytes(vocab, 2, scaled)
+            assert loss_tile(8192, vocab, 4096, 2, budget, scaled_sums=scaled).fused
+    assert not loss_tile(8192, 262144, 4096, 2, fused_loss_budget_bytes(262144, 2, False) - 1).fused  # the least
     assert loss_tile(8192, 262144, 4096, 2, 256 * mib, mode="fused").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, mode="recompute").fused
     assert not loss_tile(8192, 128256, 4096, 2, 256 * mib, fusable=False).fused
