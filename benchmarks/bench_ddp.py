@@ -8,7 +8,8 @@ Launch with torchrun, one process per GPU::
     torchrun --nproc-per-node 4 benchmarks/bench_ddp.py --wrap fsdp2_tp --tp 2 --seq-len 32768
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap zero3 --variants untiled,deepspeed_tiled,tiled
 
-Each variant (``untiled``, then ``tiled`` = ``tiledmlp.enable_tiling(model)`` before wrapping) builds the model
+Each variant (``untiled``, then ``tiled`` = ``tiledmlp.enable_tiling(model)`` before wrapping: the MLPs and, by
+default, the loss; ``--tiledmlp-options "loss=False"`` for the MLPs only) builds the model
 from the same seed and trains on the same random tokens per data-parallel rank (every rank of a TP group
 gets the same sequence; AdamW, bf16 parameters). TP is Megatron's plan on every decoder layer
 (``ColwiseParallel`` q/k/v and gate/up, ``RowwiseParallel`` o and down; embeddings, norms and head
@@ -115,7 +116,7 @@ def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, varia
         import tiledmlp
 
         tiledmlp.enable_tiling(model, **args.tiledmlp_options)
-        tiled_count = len(tiledmlp.tiled_modules(model))
+        tiled_count = sum(info.form not in ("loss", "norm") for info in tiledmlp.describe(model).values())
     elif variant == "deepspeed_tiled":
         tiled_count = use_deepspeed_tiled_mlp(model)
     return wrap(model, args.wrap, where), tiled_count

@@ -1,14 +1,16 @@
-"""One long-context training step (forward + backward) of a Llama-3.2-1B-shaped model, per variant and
-sequence length: peak memory and tokens/s. How long a sequence fits on one GPU.
+"""One long-context training step (forward + backward) of a Llama-shaped model, per variant and sequence
+length: peak memory and tokens/s. How long a sequence fits on one GPU.
 
-Model: transformers' ``LlamaForCausalLM`` built in code (hidden 2048, intermediate 8192, 16 layers, 32/8
-heads, vocabulary 128256, tied embeddings as Llama-3.2-1B; random weights, bf16, sdpa attention,
-non-reentrant activation checkpointing per decoder layer), one sequence of T tokens, labels = inputs.
+Model: transformers' ``LlamaForCausalLM`` built in code, ``--model 1b`` (default: hidden 2048, intermediate 8192,
+16 layers, 32/8 heads, vocabulary 128256, tied embeddings as Llama-3.2-1B) or ``--model 8b`` (hidden 4096,
+intermediate 14336, 32 layers, 32/8 heads, vocabulary 128256, untied, as Llama-3.1-8B); random weights, bf16,
+sdpa attention, non-reentrant activation checkpointing per decoder layer, one sequence of T tokens, labels =
+inputs.
 
 Variants (the same model object, re-configured between them):
 
 * ``untiled``     the model as is.
-* ``mlp``         ``tiledmlp.enable_tiling(model)``: tiled MLPs, untiled loss.
+* ``mlp``         ``tiledmlp.enable_tiling(model, loss=False)``: tiled MLPs, untiled loss.
 * ``loss``        ``tiledmlp.enable_tiling(model, loss=True)``: tiled MLPs and tiled LM head + loss.
 * ``loss+offload`` ``tiledmlp.enable_tiling(model, loss=True, offload="cpu")``: also the checkpointed layer
                   inputs in pinned host memory between forward and recompute (``tiledmlp.offload``).
@@ -57,8 +59,12 @@ VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
            "transformers", "liger", "tiledmlp", "date")
-FULL = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256)
-SMOKE = dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256)
+#: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
+MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
+          "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
+MODEL_NAMES = {"1b": "Llama-3.2-1B", "8b": "Llama-3.1-8B"}
+FULL = MODELS["1b"]
+SMOKE = dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256, tied=True)
 
 
 def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -66,7 +72,7 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
 
     config = LlamaConfig(hidden_size=size["hidden"], intermediate_size=size["intermediate"],
                          num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                         num_key_value_heads=size["kv_heads"], vocab_size=size["vocab"], tie_word_embeddings=True,
+                         num_key_value_heads=size["kv_heads"], vocab_size=size["vocab"], tie_word_embeddings=size["tied"],
                          max_position_embeddings=max_tokens, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
@@ -159,7 +165,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--multi-step-max", type=int, default=131072)
     parser.add_argument("--tag", default="", help="suffix of the output files (e.g. a single large-T run)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 16)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="1b", help="model shape (default 1b)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
     args = parser.parse_args(argv)
     if args.seq_lens is None:
@@ -179,12 +186,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if device.type != "cuda":
         print("note: skipping the Liger variants on a CPU (its kernels are Triton)")
         variants = [v for v in variants if v not in LIGER]
-    size = dict(SMOKE if args.smoke else FULL)
+    size = dict(SMOKE if args.smoke else MODELS[args.model])
     if args.layers:
         size["layers"] = args.layers
     model = build_model(size, max(args.seq_lens), device, dtype)
-    print(f"{gpu_name(device)}: Llama-3.2-1B-shaped model, {size['layers']} layers, {dtype}, variants {variants}",
-          flush=True)
+    shape = MODEL_NAMES[args.model]
+    print(f"{gpu_name(device)}: {shape}-shaped model, {size['layers']} layers, {dtype}, variants {variants}", flush=True)
     rows = []
     for tokens in args.seq_lens:
         for variant in variants:
@@ -197,10 +204,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_longctx_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    stem = (f"bench_longctx_{gpu_slug(device)}" + ("" if args.model == "1b" else f"_{args.model}")
+            + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else ""))
     write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - Llama-3.2-1B-shaped training step "
+    write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
     print_rows(rows, ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")

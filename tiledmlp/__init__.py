@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .accumulate import check_accum_dtype
 from .describe import Description, TileInfo, describe, log_summary
 from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
 from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
@@ -31,7 +32,7 @@ from .offload import checkpoint, checkpointed_layers, install_offload, offloaded
 from .heads import LossOptions
 from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
 from .runtime import TiledCallSpec
-from .sharding import LOSS_MODES, ShardPolicy, auto_num_shards
+from .sharding import LOSS_MODES, ShardPolicy, auto_num_shards, check_budget_mib
 
 __all__ = [
     "enable_tiling",
@@ -56,10 +57,10 @@ _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dt
             "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms")
 
 
-def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: bool = False,
+def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: Optional[bool] = None,
                   **options: Any) -> nn.Module:
-    """Tile every recognized MLP block of ``model`` in place (per instance; the root included), and with
-    ``loss=True`` the LM head + cross-entropy of every Hugging Face causal LM in it.
+    """Tile every recognized MLP block of ``model`` in place (per instance; the root included), and the LM
+    head + cross-entropy of every Hugging Face causal LM in it (unless ``loss=False``).
 
     Args:
         model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
@@ -68,10 +69,14 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (ZeRO 1-3; also detected
             when tiling is enabled before ``deepspeed.initialize``, from the parameters), ``"tp"``; a forced
             strategy must match the wrapping.
-        loss: also tile the loss (``tiledmlp.heads``): while the model is called with ``labels``, its
+        loss: tile the loss (``tiledmlp.heads``): while the model is called with ``labels``, its
             head returns a placeholder that materializes on demand, and its ``loss_function`` computes
             the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
-            never exist at once. Without labels the head returns real logits, as before.
+            never exist at once. Without labels the head returns real logits, as before. ``None``
+            (default): wherever a causal LM's head can be tiled (a head that cannot — wrapped by an adapter,
+            a custom loss function, vocabulary-parallel — is logged and left as it is); ``True``: every
+            causal LM's, a ValueError where one cannot be; ``False``: the MLPs only. At long context the
+            logits, not the MLPs, are most of a model's activation memory (README).
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
             for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
             the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
@@ -134,34 +139,23 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     form = options.get("form", "auto")
     if form not in _FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {list(_FORMS)}")
-    accum = options.get("grad_accum_dtype")
-    if accum is not None and not (isinstance(accum, torch.dtype) and accum.is_floating_point):
-        raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {accum!r}")
+    accum = check_accum_dtype(options.get("grad_accum_dtype"), "grad_accum_dtype")
     extra_types = tuple(options.get("mlp_types", ()))
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in extra_types):
         raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
     policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
                          inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
-    if not isinstance(loss, bool):
-        raise TypeError(f"loss must be True or False, got {loss!r}")
-    loss_options = _loss_options(options) if loss else None
+    if loss is not None and not isinstance(loss, bool):
+        raise TypeError(f"loss must be None (the default: tiled where the model has an LM head it can tile), True "
+                        f"or False, got {loss!r}")
+    loss_options = None if loss is False else _loss_options(options)
     offload_layers = checkpointed_layers(model, options.get("offload"))
 
     norms = options.get("norms", False)
     if not isinstance(norms, bool):
         raise TypeError(f"norms must be True or False, got {norms!r}")
     states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
-                  loss_options, norms)
-    if not states:
-        raise ValueError(
-            f"no MLP block recognized in {type(model).__name__}. tiledmlp recognizes, by what they compute, "
-            "modules whose 2-4 Linear-like children (nn.Linear, transformers' Conv1D, LoRA-wrapped linears) "
-            "chain hidden -> intermediate -> hidden and whose forward maps each token on its own (GLU and "
-            "plain MLPs, whatever their names); MoE blocks (an 'experts' submodule beside a 'gate' or "
-            "'router'); and registered types. For another per-token module, call "
-            "tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a single call, use "
-            "tiledmlp.apply_tiled_mlp(fn, module, x)."
-        )
+                  loss_options, norms, loss_required=loss is True)
     install(model, states)
     install_offload(model, offload_layers)
     log_summary(model)
@@ -170,14 +164,11 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
 
 def _loss_options(options: dict[str, Any]) -> LossOptions:
     scratch = options.get("loss_scratch_mib")
-    if scratch is not None and (isinstance(scratch, bool) or not isinstance(scratch, (int, float)) or scratch <= 0):
-        raise ValueError(f"loss_scratch_mib must be a positive number of MiB or None, got {scratch!r}")
+    check_budget_mib("loss_scratch_mib", scratch)
     mode = options.get("loss_mode", "auto")
     if mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")
-    accum = options.get("loss_grad_accum_dtype", torch.float32)
-    if accum is not None and not (isinstance(accum, torch.dtype) and accum.is_floating_point):
-        raise TypeError(f"loss_grad_accum_dtype must be a floating torch.dtype or None, got {accum!r}")
+    accum = check_accum_dtype(options.get("loss_grad_accum_dtype", torch.float32), "loss_grad_accum_dtype")
     return LossOptions(scratch, mode, accum)
 
 

@@ -44,7 +44,7 @@ import torch
 
 from .kernels.scaled_accum import BLOCK, scaled_accumulate_, scaled_empty, scaled_finalize_
 
-__all__ = ["GradAccumulator", "PARTIAL_MIB", "addmm_", "block_scaled", "mm_into", "sum_dtype"]
+__all__ = ["GradAccumulator", "PARTIAL_MIB", "addmm_", "block_scaled", "check_accum_dtype", "mm_into", "sum_dtype"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _Key = tuple[int, Optional[int], Optional[int], Optional[int], Optional[int]]  # (parameter, rows, cols)
@@ -60,6 +60,15 @@ def block_scaled(accum_dtype: Optional[torch.dtype], dtype: torch.dtype) -> bool
     """Whether a ``dtype`` weight (2-D or more, several shards) is summed block-scaled under ``accum_dtype``:
     the representation that needs each shard's partial as a tensor (a partial buffer)."""
     return accum_dtype is None and dtype == torch.bfloat16
+
+
+def check_accum_dtype(value: object, option: str) -> Optional[torch.dtype]:
+    """``value`` as a ``grad_accum_dtype``-like option: a floating ``torch.dtype`` or None (``TypeError`` naming
+    the option otherwise: an integer sum would silently truncate every gradient)."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"{option} must be a floating torch.dtype (torch.float32, torch.bfloat16) or None for the "
+                        f"default, got {value!r}")
+    return value
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

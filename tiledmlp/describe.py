@@ -28,11 +28,11 @@ from torch import nn
 from .accumulate import block_scaled
 from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
-from .offload import offloaded_layers
+from .offload import offload_problems, offloaded_layers
 from .patching import TilingState, tiled_states
 from .moe_form import ExpertsLayout
-from .sharding import (ShardPolicy, loss_budget_bytes, loss_tile, mlp_scratch_per_token, moe_scratch_per_token,
-                       norm_scratch_per_token)
+from .sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
+                       moe_scratch_per_token, norm_scratch_per_token)
 
 __all__ = ["TileInfo", "Description", "describe", "log_summary", "DEFAULT_DESCRIBE_TOKENS"]
 
@@ -57,6 +57,7 @@ class TileInfo:
     shard_tokens: Optional[int] = None  # tokens per (backward) shard
     inter_chunks: Optional[int] = None  # intermediate blocks per shard (fast forms)
     scratch_bytes: Optional[int] = None  # peak scratch of one call; None: not estimated
+    fallback: str = ""  # calls seen to take the untiled path, and why ("" if none)
 
     @property
     def scratch_mib(self) -> Optional[float]:
@@ -67,10 +68,13 @@ class Description(dict):
     """``{qualified name: TileInfo}``, printable as a table (``str()``/``repr()``) and as one line
     (:meth:`summary`)."""
 
-    def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = ()) -> None:
+    def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
+                 not_offloaded: Optional[dict[str, str]] = None) -> None:
         super().__init__(infos)
         self.tokens = tokens
         self.offloaded = list(offloaded)  # modules whose checkpointed inputs wait in host memory
+        # modules offload="cpu" was enabled for whose inputs stay on the device now, and why
+        self.not_offloaded = dict(not_offloaded or {})
 
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
@@ -93,6 +97,9 @@ class Description(dict):
             parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
         if self.offloaded:
             parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host")
+        if self.not_offloaded:
+            parts.append(f"offload='cpu' off for {len(self.not_offloaded)} layers: "
+                         f"{sorted(set(self.not_offloaded.values()))[0]}")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -101,8 +108,8 @@ class Description(dict):
             i.name or "<root>", i.form, i.strategy,
             f"{i.num_shards} x {i.shard_tokens}" + (f" ({i.inter_chunks} blocks)" if (i.inter_chunks or 1) > 1 else "")
             if i.num_shards else i.policy,
-            "?" if i.scratch_mib is None else f"{i.scratch_mib:.0f} MiB",
-            i.reason or i.computes) for i in self.values()]
+            "?" if i.scratch_bytes is None else format_mib(i.scratch_bytes),
+            (i.reason or i.computes) + (f"; untiled: {i.fallback}" if i.fallback else "")) for i in self.values()]
         widths = [max(len(r[k]) for r in rows) for k in range(len(head) - 1)]
         lines = [self.summary()] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
         return "\n".join(line.rstrip() for line in lines)
@@ -137,7 +144,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
         return _loss_info(name, state, strategy, tokens)
     policy = spec.policy
     base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
-                policy=_policy_words(policy), tokens=tokens,
+                policy=_policy_words(policy), tokens=tokens, fallback=state.fallback,
                 under_compile="operator" if state.traced is not None else "eager call, one graph break")
     params = _params(state)
     if tokens is None or params is None:
@@ -188,7 +195,7 @@ def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[in
     options = spec.options
     words = f"mode {options.mode}" + (f", {options.scratch_mib} MiB budget" if options.scratch_mib else "")
     base = dict(name=name, form="loss", strategy=strategy, reason="", policy=words, tokens=tokens,
-                computes=f"LM head + cross-entropy of {spec.owner.name}",
+                computes=f"LM head + cross-entropy of {spec.owner.name}", fallback=state.fallback,
                 under_compile="untiled loss (real logits); tiled when the head runs outside compiled code")
     params = _params(state)
     if tokens is None or params is None:
@@ -211,7 +218,8 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
     return Description({name: _info(name, state, strategy, seq_len)
-                        for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model))
+                        for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model),
+                       offload_problems(model))
 
 
 def log_summary(model: nn.Module) -> None:

@@ -33,12 +33,17 @@ from torch import nn
 from .forms import Slot, is_plain_linear
 from .function import in_shard
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
-from .logs import warn_once_traced
+from .logs import warn_once, warn_once_traced
 from .loss import CrossEntropySpec, linear_cross_entropy
 
-__all__ = ["LossOptions", "LossOwner", "HeadSpec", "find_causal_lms", "TiledHeadForward", "OWNER_ATTR"]
+__all__ = ["LossOptions", "LossOwner", "HeadSpec", "find_causal_lms", "TiledHeadForward", "OWNER_ATTR",
+           "UNTILED_TRAINING_CALL"]
 
 OWNER_ATTR = "_tiledmlp_loss_owner"
+#: ``TilingState.fallback`` of a head once a training call without labels computed real logits
+UNTILED_TRAINING_CALL = "training calls without labels compute the full logits (the caller computes the loss)"
+#: ``TilingState.fallback`` of a head with full backward hooks of its own
+HOOKED_HEAD = "backward hooks on the head take the logits' gradient: full logits, untiled loss"
 
 
 def _causal_lm_loss() -> Optional[Callable[..., torch.Tensor]]:
@@ -85,6 +90,9 @@ class LossOwner:
     saved_loss_function: Any = None
     handles: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # the model calls in progress (innermost last)
+    # Called with the model when its output layer is no longer ``head`` (resize_token_embeddings replaces an
+    # untied head): moves the tiling to the new one (``patching``), or says why it cannot.
+    on_new_head: Optional[Callable[[nn.Module], None]] = None
 
     def wants_placeholder(self) -> bool:
         return len(self.calls) > 0 and self.calls[-1].labels  # len, not bool(list): Dynamo traces it (torch 2.11)
@@ -167,6 +175,8 @@ class _CallStart:
         self.owner = owner
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.owner.on_new_head is not None and module.get_output_embeddings() is not self.owner.head:
+            self.owner.on_new_head(module)
         index = self.owner.labels_index
         labels = kwargs.get("labels", args[index] if index is not None and len(args) > index else None)
         self.owner.calls.append(_Call(labels is not None))
@@ -196,14 +206,37 @@ class TiledHeadForward:
         spec: HeadSpec = self.state.spec
         owner = spec.owner
         x = args[0] if args else kwargs.get("input")
+        if owner.head._backward_hooks or owner.head._backward_pre_hooks:
+            self._said_hooked(spec.name)
+            return self.original(*args, **kwargs)
         if (not owner.wants_placeholder() or in_shard() or len(args) + len(kwargs) != 1
                 or not isinstance(x, torch.Tensor) or x.dim() < 2 or torch.compiler.is_compiling()):
+            if (owner.calls and not owner.calls[-1].labels and owner.head.training and torch.is_grad_enabled()
+                    and not torch.compiler.is_compiling()):
+                self._said_untiled(spec.name)
             return self.original(*args, **kwargs)
         weight, bias = spec.params()
         call = owner.calls[-1]
         call.release_head()  # a second head call in one model call: the first one's hold ends
         call.release = self.state.strategy(owner.head).hold_gathered(owner.head)
         return lazy_logits(LogitsRecipe(x, weight, bias, on_materialize=owner.materialized))
+
+    def _said_untiled(self, name: str) -> None:
+        """A training call without labels: the caller will compute a loss from real logits (the ``Trainer`` with
+        ``label_smoothing_factor`` or ``compute_loss_func`` takes the labels out of the model's call)."""
+        self.state.fallback = UNTILED_TRAINING_CALL
+        warn_once(("head without labels", name), "%s: the model was called for training without labels, so its head "
+                  "computed the T x vocab logits (the tiled loss needs the labels in the model's call). The "
+                  "Trainer's label_smoothing_factor and compute_loss_func take them out: drop those (or compute the "
+                  "loss from the hidden states with tiledmlp.tiled_linear_cross_entropy, which takes "
+                  "label_smoothing) to keep the loss tiled.", name)
+
+    def _said_hooked(self, name: str) -> None:
+        """Full backward hooks on the head take the logits' gradient, which the tiled loss never makes."""
+        self.state.fallback = HOOKED_HEAD
+        warn_once(("hooked head", name), "%s: backward hooks are registered on it (register_full_backward_hook or "
+                  "its pre-hook), which take the T x vocab logits' gradient: its calls compute the full logits and "
+                  "the untiled loss. Remove the hooks to keep the loss tiled.", name)
 
     def __reduce__(self):
         return (TiledHeadForward, (self.state, self.original))

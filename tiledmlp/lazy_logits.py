@@ -8,7 +8,8 @@ model's own code between the head and its loss may scale and softcap it (``logit
 head and the transform, and no ``tokens x vocab`` tensor is ever made.
 
 Anything else that reads the logits — ``out.logits`` in user code, a metric, an op the loss cannot
-fold — *materializes* them: the head's original forward runs on the kept hidden states and the
+fold, ``.numpy()``, ``.tolist()``, ``np.asarray``, pickling (the ``Trainer``'s evaluation loop) —
+*materializes* them: the head's original forward runs on the kept hidden states and the
 recorded ops are replayed, exactly as the untiled model would have computed them (bit for bit), and
 the result is cached. Gradients through materialized logits flow to the hidden states and the head's
 parameters through this tensor's own autograd node, as for an ``nn.Linear`` output. So a placeholder
@@ -20,6 +21,7 @@ keeps anyway). Materializing costs what the untiled head costs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -161,6 +163,32 @@ class LazyLogits(torch.Tensor):
             recipe.on_materialize(reason)
         return state.cell.value
 
+    # Reads that do not reach ``__torch_dispatch__``: the tensor methods that look at storage or leave torch.
+    # Each answers from the materialized logits, as it would from a plain tensor.
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.materialize("numpy").numpy(force=force)
+
+    def tolist(self) -> Any:
+        return self.materialize("tolist").tolist()
+
+    def data_ptr(self) -> int:
+        return self.materialize("data_ptr").data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.materialize("untyped_storage").untyped_storage()
+
+    def __reduce_ex__(self, protocol: int) -> Any:  # pickle, torch.save: the values, as a plain tensor
+        return self.materialize("pickle").__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        if not self.is_leaf:  # as a plain tensor would
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment. If you were attempting to deepcopy a module, this may be "
+                               "because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        return copy.deepcopy(self.materialize("deepcopy"), memo)
+
     def _derived(self, op: Any, args: tuple, kwargs: dict, fold: _Fold, dtype: torch.dtype) -> "LazyLogits":
         state = self._lazy
         return LazyLogits(_State(state.recipe, state.ops + ((op, args, kwargs),), fold), self.shape, dtype, self.device)
@@ -171,7 +199,8 @@ class LazyLogits(torch.Tensor):
         self = args[0] if args and isinstance(args[0], LazyLogits) else None
         if self is not None and not self.materialized:
             rest = args[1:]
-            if func in _ALIASES:
+            if func in _ALIASES or (func is aten.view.default and _same_shape(self, rest[0])):
+                # an alias (view_as: what a module's backward hooks do to its outputs) stays a placeholder
                 return LazyLogits(self._lazy, self.shape, self.dtype, self.device)
             if func is aten.clone.default and not kwargs:
                 state = self._lazy
@@ -181,6 +210,14 @@ class LazyLogits(torch.Tensor):
                 return folded
         real = lambda a: a.materialize(str(func)) if isinstance(a, LazyLogits) else a  # noqa: E731
         return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+def _same_shape(t: torch.Tensor, size: Any) -> bool:
+    """Whether ``t.view(size)`` has ``t``'s shape (a ``-1`` resolved)."""
+    try:
+        return torch.empty(t.shape, device="meta").view(size).shape == t.shape
+    except RuntimeError:
+        return False
 
 
 def _scalar(value: Any) -> Optional[float]:

@@ -12,11 +12,11 @@ log = logging.getLogger("tiledmlp")
 _SAID: set[Hashable] = set()  # keys of the warnings already logged
 
 
-def warn_once(key: Hashable, message: str, *args: Any) -> None:
-    """``log.warning(message, *args)`` the first time ``key`` is seen in this process."""
+def warn_once(key: Hashable, message: str, *args: Any, level: int = logging.WARNING) -> None:
+    """``log.log(level, message, *args)`` (a warning by default) the first time ``key`` is seen in this process."""
     if key not in _SAID:
         _SAID.add(key)
-        log.warning(message, *args)
+        log.log(level, message, *args)
 
 
 def warn_once_traced(key: Hashable, message: str, *args: Any) -> None:

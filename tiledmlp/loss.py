@@ -51,15 +51,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from .accumulate import GradAccumulator, addmm_, block_scaled, mm_into, sum_dtype
+from .accumulate import GradAccumulator, addmm_, block_scaled, check_accum_dtype, mm_into, sum_dtype
 from .distributed.deepspeed import gathered, is_zero3_param
 from .distributed.detect import is_dtensor
 from .distributed.strategies import DeepSpeedStrategy, PlainStrategy, Strategy
 from .function import TileCall, run_tiled
 from .kernels.cross_entropy import LogitTransform, ce_finalize, ce_grad_, ce_stats_, new_stats, stats_dtype
 from .logs import warn_once
-from .sharding import (LOSS_MODES, MIN_FUSED_ROWS, chunk_bounds, fused_loss_budget_bytes, loss_budget_bytes,
-                       loss_tile)
+from .sharding import (LOSS_MODES, MIN_FUSED_ROWS, check_budget_mib, chunk_bounds, format_mib,
+                       fused_loss_budget_bytes, loss_budget_bytes, loss_tile)
 
 
 __all__ = ["CrossEntropySpec", "LinearCrossEntropyForm", "LogitTransform", "linear_cross_entropy",
@@ -90,8 +90,7 @@ class CrossEntropySpec:
             raise ValueError(f"label_smoothing must be a number in [0, 1], got {self.label_smoothing!r}")
         if not (isinstance(self.z_loss, (int, float)) and self.z_loss >= 0.0):
             raise ValueError(f"z_loss must be a number >= 0 (the weight of lse**2), got {self.z_loss!r}")
-        if self.scratch_mib is not None and not (isinstance(self.scratch_mib, (int, float)) and self.scratch_mib > 0):
-            raise ValueError(f"scratch_mib must be a positive number of MiB or None, got {self.scratch_mib!r}")
+        check_budget_mib("scratch_mib", self.scratch_mib)
         if self.mode not in LOSS_MODES:
             raise ValueError(f"unknown loss mode {self.mode!r}; choose one of {list(LOSS_MODES)}")
         if self.mode == "fused" and self.reduction == "none":
@@ -267,6 +266,9 @@ def linear_cross_entropy(strategy: Strategy, module: Optional[nn.Module],
         tokens = x.shape[0]
         dtype = compute_dtype(x, weight)
         coef = _coefficient(flat_labels, spec, num_items_in_batch, stats_dtype(dtype))
+        if tokens == 0:  # no shard to cut: F.cross_entropy's answer (NaN mean, 0 sum, no per-token losses)
+            per_token = F.linear(x.to(dtype), weight.to(dtype), bias).sum(-1).to(coef.dtype)
+            return per_token.view(labels.shape) if spec.reduction == "none" else per_token.sum() * coef
         wants_grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         budget = loss_budget_bytes(x.numel() * x.element_size(), spec.scratch_mib)
         itemsize = torch.finfo(dtype).bits // 8
@@ -295,9 +297,9 @@ def _report_recompute(name: str, vocab: int, itemsize: int, budget: int, scaled_
     needed = -(-fused_loss_budget_bytes(vocab, itemsize, scaled_sums) // 2**20)  # rounded up: a budget that fuses
     warn_once(("loss recompute", vocab, itemsize, budget),
               "%s: logits are recomputed in backward (8 instead of 6 T*H*V FLOP): a fused shard of the %d-class "
-              "vocabulary would hold fewer than %d tokens in the %.0f MiB scratch budget. A budget of %d MiB "
+              "vocabulary would hold fewer than %d tokens in the %s scratch budget. A budget of %d MiB "
               "or more fuses it (enable_tiling(..., loss_scratch_mib=) or scratch_mib=).", name, vocab,
-              MIN_FUSED_ROWS, budget / 2**20, needed)
+              MIN_FUSED_ROWS, format_mib(budget), needed)
 
 
 def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -337,6 +339,7 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     """
     spec = CrossEntropySpec(ignore_index, reduction, label_smoothing, z_loss, LogitTransform(logit_scale, softcap),
                             scratch_mib, mode)
+    check_accum_dtype(grad_accum_dtype, "grad_accum_dtype")
     if not isinstance(weight, torch.Tensor) or is_dtensor(weight):
         raise TypeError("weight must be the head's plain [vocab, hidden] tensor; a DTensor (FSDP2 or tensor-"
                         "parallel sharded) head must be unsharded first: call this inside the FSDP2 unit's "

@@ -27,9 +27,10 @@ from __future__ import annotations
 import copyreg
 import functools
 import inspect
+import logging
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -61,6 +62,7 @@ __all__ = ["register_mlp", "recognize", "param_slots", "plan", "install", "unins
 
 STATE_ATTR = "_tiledmlp_state"
 _REGISTERED: list[type] = []
+log = logging.getLogger("tiledmlp")
 
 
 def register_mlp(module_type: type) -> type:
@@ -186,6 +188,7 @@ class TilingState:
     traced: Optional[TracedCall] = None
     adapters: tuple = ()  # the fast form's LoRA adapters (tiledmlp.lora), whose state every call checks
     key: Optional[torch.Tensor] = None  # names this module to the compiled call's operators (set by install)
+    fallback: str = ""  # calls seen at run time that took the untiled path, and why (describe(); said once in a log)
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:
@@ -452,20 +455,45 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
 
     fast = not extra
     if not fast and state.spec.layout is not None:
+        state.fallback = "calls with extra arguments take the generic form"
         warn_once(("extra arguments", state.spec.name), "%s: called with extra arguments (%s); the fast %s form "
                   "computes forward(x) only, so these calls take the slower generic form", state.spec.name,
                   ", ".join(map(str, kwargs)) or "positional", state.kind)
     hooked = hooked_children(module) if fast and state.spec.layout is not None else []
     if hooked:  # registered after enable_tiling: the fast form would skip them
         fast = False
+        state.fallback = f"hooks on {', '.join(hooked)}: calls take the generic form"
         warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
                   state.kind)
     changed = changed_adapters(state.adapters) if fast and state.adapters else []
+    if changed and all(getattr(module, a.child, None) is not a.layer for a in state.adapters):
+        state, changed = _adapters_unloaded(module, state), []  # merge_and_unload(): plain projections now
     if changed:  # merged, disabled, switched or rescaled: the fast form would compute the recognized adapter
         fast = False
+        state.fallback = f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the generic form"
         warn_once(("adapters", state.spec.name, tuple(changed)), _ADAPTERS_TAKE_GENERIC, state.spec.name,
                   "; ".join(changed), state.kind)
+    if fast:
+        state.fallback = ""  # describe() says what the last call did
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
+
+
+def _adapters_unloaded(module: nn.Module, state: TilingState) -> TilingState:
+    """``module``'s LoRA layers were unloaded since enable_tiling (peft's ``merge_and_unload()`` puts each base
+    layer, the adapter merged into its weight, in its LoRA layer's place): recognized again, with the fast form of
+    its plain projections, under the name it has below the model peft wrapped. Installed for the next calls."""
+    path = [m for m in (ref() for ref in state.path) if m is not None]
+    base = next((m for m in path if not type(m).__module__.startswith("peft")), module)
+    name = next((n for n, m in base.named_modules() if m is module), state.spec.name) or type(module).__name__
+    rec = recognize_mlp(module, _original_forward(module), param_slots(module))
+    if rec is None or rec.layout is None or rec.adapters:
+        return state  # cannot happen for a module whose projections were plain before they were wrapped
+    spec = replace(state.spec, name=name, slots=rec.slots, layout=rec.layout)
+    again = replace(state, spec=spec, computes=rec.computes, adapters=(), traced=_traced_call(module, rec), _auto={})
+    module.__dict__[STATE_ATTR] = again
+    log.info("%s: its LoRA layers were merged and unloaded since enable_tiling; it now takes the fast %s form of its "
+             "merged projections", name, again.kind)
+    return again
 
 
 def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple, kwargs: dict):
@@ -515,11 +543,14 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
 
 def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
          include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
-         loss: Optional[LossOptions] = None, norms: bool = False) -> dict[str, TilingState]:
+         loss: Optional[LossOptions] = None, norms: bool = False, loss_required: bool = True) -> dict[str, TilingState]:
     """Recognize and validate every MLP (with ``loss``, every causal-LM head; with ``norms``, every
-    normalization layer) of ``model`` without changing anything."""
+    normalization layer) of ``model`` without changing anything. ``loss_required``: a head that cannot be
+    tiled (or none) is an error; otherwise (``enable_tiling``'s default) it is logged and left as it is.
+    ValueError, naming what was found, when nothing would be tiled."""
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
+    excluded: list[str] = []  # MoE blocks that include_moe=False leaves untiled
     experts_seen: dict[int, Recognized] = {}  # MoE blocks' experts, probed once
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
@@ -527,10 +558,12 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
         rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms)
         if rec is None:
             continue
-        covered.append(name)
-        if rec.kind == "excluded":
-            continue
         label = name or type(module).__name__
+        if rec.kind == "excluded":  # the block (router included) and its experts; a shared expert is an MLP of its own
+            excluded.append(label)
+            covered.append(f"{name}.experts" if name else "experts")
+            continue
+        covered.append(name)
         nested = fsdp2_units_below(module)
         if nested:
             raise ValueError(
@@ -547,8 +580,26 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
                                    token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
                                    traced=_traced_call(module, rec), adapters=rec.adapters)
     if loss is not None:
-        states.update(_plan_heads(model, strategy, loss))
+        states.update(_plan_heads(model, strategy, loss, loss_required))
+    if not states:
+        raise ValueError(_nothing_recognized(model, excluded, loss is not None))
     return states
+
+
+def _nothing_recognized(model: nn.Module, excluded: list[str], with_loss: bool) -> str:
+    """Why ``enable_tiling`` found nothing to tile, naming what it did find and what to do."""
+    head = " and no LM head whose loss it can tile" if with_loss else ""
+    if excluded:
+        return (f"nothing to tile in {type(model).__name__}: include_moe=False leaves its {len(excluded)} MoE "
+                f"block{'s' if len(excluded) != 1 else ''} ({', '.join(excluded[:3])}{', ...' if len(excluded) > 3 else ''}) "
+                f"untiled, and it has no other MLP block{head}. Drop include_moe=False to tile the experts.")
+    return (f"no MLP block recognized in {type(model).__name__}{head}. tiledmlp recognizes, by what they compute, "
+            "modules whose 2-4 Linear-like children (nn.Linear, transformers' Conv1D, LoRA-wrapped linears) "
+            "chain hidden -> intermediate -> hidden and whose forward maps each token on its own (GLU and "
+            "plain MLPs, whatever their names); MoE blocks (an 'experts' submodule beside a 'gate' or "
+            "'router'); and registered types. For another per-token module, call "
+            "tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a single call, use "
+            "tiledmlp.apply_tiled_mlp(fn, module, x).")
 
 
 def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
@@ -569,26 +620,46 @@ def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
     return TracedCall(slot_paths, -1, 0)  # the experts' output has the hidden states' width
 
 
-def _plan_heads(model: nn.Module, strategy: str, options: LossOptions) -> dict[str, TilingState]:
+def _plan_heads(model: nn.Module, strategy: str, options: LossOptions, required: bool) -> dict[str, TilingState]:
+    """The tiled loss of every causal LM in ``model``. ``required`` (``loss=True``): a model without one, or a head
+    that cannot be tiled, is a ValueError; otherwise (the default) each such head is logged and left untiled."""
     lms = find_causal_lms(model)
-    if not lms:
+    if not lms and required:
         raise ValueError(
             f"loss=True, but {type(model).__name__} has no recognizable LM head: tiledmlp tiles the loss of "
             "Hugging Face causal LMs (a PreTrainedModel with get_output_embeddings() and transformers' "
             "ForCausalLMLoss). For another model, call tiledmlp.tiled_linear_cross_entropy(hidden, "
             "head.weight, labels) in your loss, or enable tiling with loss=False.")
     states: dict[str, TilingState] = {}
-    names = {id(m): n for n, m in model.named_modules()}
     for lm_name, lm in lms:
-        head = check_causal_lm(lm_name, lm)
-        name = names[id(head)]
-        label = name or type(head).__name__
-        slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
-        forced, path = _strategy_of(model, head, slots, strategy, label)
-        owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
-        spec = HeadSpec(label, slots, options, owner)
-        states[name] = TilingState(spec, "loss", "input", _saved_forward(head), forced, path)
+        try:
+            name, state = _plan_head(model, strategy, options, lm_name, lm)
+        except ValueError as exc:
+            if required:
+                raise
+            warn_once(("head not tiled", lm_name, str(exc)), "%s: its loss is not tiled (the model computes its "
+                      "T x vocab logits): %s", lm_name or type(lm).__name__, exc)
+            continue
+        states[name] = state
     return states
+
+
+def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: str,
+               lm: nn.Module) -> tuple[str, TilingState]:
+    """``(the head's qualified name, its tiling state)`` for the causal LM ``lm``; ValueError if it cannot be tiled."""
+    head = check_causal_lm(lm_name, lm)
+    name = _qualified_name(model, head)
+    label = name or type(head).__name__
+    slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
+    forced, path = _strategy_of(model, head, slots, strategy, label)
+    owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
+    spec = HeadSpec(label, slots, options, owner)
+    return name, TilingState(spec, "loss", "input", _saved_forward(head), forced, path)
+
+
+def _qualified_name(model: nn.Module, module: nn.Module) -> str:
+    """``module``'s qualified name in ``model`` (as ``named_modules()`` gives it)."""
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:
@@ -606,10 +677,37 @@ def install(model: nn.Module, states: dict[str, TilingState]) -> None:
         module.__dict__[STATE_ATTR] = state
         if state.kind == "loss":
             module.forward = TiledHeadForward(state, _original_forward(module))
+            state.spec.owner.on_new_head = _follow_new_head
             patch_owner(modules[state.spec.owner.module_name], state.spec.owner, state)
         else:
             state.key = module_key(module)
             module.forward = tiled_forward_of(module)
+
+
+def _follow_new_head(lm: nn.Module) -> None:
+    """``lm``'s output layer was replaced since ``enable_tiling`` (``resize_token_embeddings`` makes a new
+    ``nn.Linear`` for an untied head): the tiled loss moves to the new head, with the same options and strategy;
+    a new head it cannot tile keeps the loss untiled, said once."""
+    owner: LossOwner = lm.__dict__[OWNER_ATTR]
+    old, new = owner.head, lm.get_output_embeddings()
+    state: TilingState = old.__dict__[STATE_ATTR]
+    try:
+        check_causal_lm(owner.module_name, lm)
+    except ValueError as exc:
+        warn_once(("new head", owner.name), "%s: its output layer was replaced since enable_tiling and the new one "
+                  "cannot be tiled, so its loss is computed untiled (full logits) from now on: %s", owner.name, exc)
+        owner.on_new_head = None
+        return
+    slots = (Slot(new, "weight"),) + ((Slot(new, "bias"),) if getattr(new, "bias", None) is not None else ())
+    moved = replace(state, spec=replace(state.spec, slots=slots), saved_forward=new.__dict__.get("forward"),
+                    path=[*state.path[:-1], weakref.ref(new)], _auto={})
+    _restore(old)
+    owner.head = new
+    new.__dict__[STATE_ATTR] = moved
+    new.forward = TiledHeadForward(moved, _original_forward(new))
+    lm.loss_function.head_state = moved
+    log.info("%s: its output layer was replaced since enable_tiling (resize_token_embeddings?); the tiled loss "
+             "moved to the new one (%d classes)", owner.name, new.out_features)
 
 
 def _restore(module: nn.Module) -> None:
@@ -631,7 +729,12 @@ def uninstall(model: nn.Module) -> None:
 
 def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState, str]]:
     """``(qualified name, module, tiling state, strategy name)`` of every tiled module, resolving ``auto``
-    against the model given (it may be the wrapper)."""
+    against the model given (it may be the wrapper). A causal LM whose head was replaced since is followed first
+    (as its next call would)."""
+    for module in list(model.modules()):
+        owner = module.__dict__.get(OWNER_ATTR)
+        if owner is not None and owner.on_new_head is not None and module.get_output_embeddings() is not owner.head:
+            owner.on_new_head(module)
     for name, module in model.named_modules():
         state = module.__dict__.get(STATE_ATTR)
         if state is None:

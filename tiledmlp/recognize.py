@@ -5,8 +5,10 @@ Design note — the probe
 A module is a candidate when two to four of its direct children are Linear-like (``nn.Linear``,
 Hugging Face ``Conv1D``, a peft LoRA-wrapped linear) and two of them chain ``hidden -> inter ->
 hidden`` (``inter`` or ``2 * inter`` for a fused gate/up projection). The names do not matter.
-For a candidate, the probe runs the module's own forward on a few random tokens and compares it
-with every fast form its children allow:
+For a candidate, the probe runs the module's own forward on a few random tokens, with random weights of
+its projections' shapes (so that what it finds does not depend on how the weights were initialized: a
+zero-initialized projection matches every candidate), and compares it with every fast form its children
+allow:
 
 * three projections: ``down(act(gate(x)) * up(x))`` for both gate/up assignments;
 * two projections: ``down(act(up(x)))``, and ``down(act(u[:I]) * u[I:])`` for ``u = up(x)`` of
@@ -249,18 +251,32 @@ def _rel_max_err(got: Any, ref: torch.Tensor) -> float:
 
 class _Probe:
     """The module's forward on probe tokens, with float32 copies of its parameters swapped in (made
-    once, whatever input widths are tried)."""
+    once, whatever input widths are tried); ``projections``: ``(weight, bias or None, fan-in)`` slot indices of
+    the Linear-like children, whose copies are random instead (see :meth:`_randomize_projection`)."""
 
     def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot],
-                 adapters: Sequence[LowRank] = (), weights: Sequence[int] = ()) -> None:
+                 adapters: Sequence[LowRank] = (), weights: Sequence[int] = (),
+                 projections: Sequence[tuple[int, Optional[int], int]] = ()) -> None:
         self.forward, self.module, self.slots = forward, module, slots
         full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
         self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
+        gen = torch.Generator(device=self.proxies[0].device if self.proxies else "cpu").manual_seed(2)
+        for weight, bias, fan_in in projections:
+            self._randomize_projection(weight, bias, fan_in, gen)
         for adapter, weight in zip(adapters, weights):
             self._randomize(adapter, weight)
         self._unique, self._index = dedupe(self.proxies)
         self.x = torch.empty(0)
         self.hidden = 0
+
+    def _randomize_projection(self, weight: int, bias: Optional[int], fan_in: int, gen: torch.Generator) -> None:
+        """Random weights (and bias) of the module's own shapes for a projection: the probe identifies what the
+        forward computes, whatever the values are. With the real ones, a zero-initialized ``down_proj`` (weights
+        not loaded yet) makes every candidate match, and a zero bias hides whether the forward adds it."""
+        for index, scale in ((weight, fan_in ** -0.5), (bias, 1.0)):
+            if index is not None:
+                t = self.proxies[index]
+                self.proxies[index] = torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) * scale
 
     def _randomize(self, adapter: LowRank, weight: int) -> None:
         """Random ``A`` and ``B`` for a LoRA adapter (on the base weight at ``weight``), scaled so its term is
@@ -417,8 +433,10 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
     adapted = [lin for lin in linears if lin.adapter is not None]
+    projections = [(_index(lin.weight, where), None if lin.bias is None else _index(lin.bias, where), lin.in_features)
+                   for lin in linears]
     probe = _Probe(forward, module, slots, [_proj(lin, where).adapter for lin in adapted],
-                   [_index(lin.weight, where) for lin in adapted])
+                   [_index(lin.weight, where) for lin in adapted], projections)
     for hidden in hiddens:  # the input width the forward accepts
         probe.tokens(hidden, next(lin for lin in linears if lin.in_features == hidden), where)
         try:

@@ -149,6 +149,25 @@ def _check_positive(name: str, value, kind: type = int) -> None:
         raise ValueError(f"{name} must be >= 1 (or None for the automatic policy), got {value}")
 
 
+def check_budget_mib(name: str, value: object) -> None:
+    """A scratch budget option (``scratch_mib``, ``loss_scratch_mib``): a positive, finite number of MiB, or None
+    for the default (``TypeError``/``ValueError`` naming the option otherwise). Fractions are budgets too:
+    tests cut tiny models into many shards with them."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number of MiB or None for the default, got "
+                        f"{type(value).__name__} {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number of MiB or None for the default, got {value!r}")
+
+
+def format_mib(nbytes: float) -> str:
+    """``nbytes`` in MiB for messages: whole MiB from 10 MiB on, two significant digits below (never "0 MiB")."""
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
+
+
 def _fitting_rows(budget: float, bytes_per_token: int) -> int:
     """The most tokens (a multiple of ``_QUANTUM``, at most ``MAX_AUTO_TILE``) whose scratch fits ``budget``."""
     return min(MAX_AUTO_TILE, int(budget // bytes_per_token) // _QUANTUM * _QUANTUM)
@@ -174,7 +193,7 @@ class ShardPolicy:
         _check_positive("num_shards", self.num_shards)
         _check_positive("tile_tokens", self.tile_tokens)
         _check_positive("inter_chunks", self.inter_chunks)
-        _check_positive("scratch_mib", self.scratch_mib, float)
+        check_budget_mib("scratch_mib", self.scratch_mib)
         if self.num_shards is not None and self.tile_tokens is not None:
             raise ValueError("give num_shards or tile_tokens, not both: each fixes the shard size")
 

@@ -117,7 +117,7 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
     collectives = CollectiveCounter()
     tiled_names = tiledmlp.tiled_modules(engine) if tiled else {}
     modules = dict(engine.named_modules())
-    reentry = BackwardReentryCounter([modules[n] for n in tiled_names])
+    reentry = BackwardReentryCounter({n: modules[n] for n in tiled_names})
     shards, calls = [], []
     with collectives.patch_dist():
         for micro_batches in batches:
@@ -135,7 +135,7 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
     reentry.remove()
     after = _snapshot(engine)
     engine.destroy()
-    run = Run(before, after, None, collectives.per_micro_batch, shards, calls, tiled_names, reentry.count)
+    run = Run(before, after, None, collectives.per_micro_batch, shards, calls, tiled_names, reentry.counts)
     return run, gathers
 
 

@@ -60,8 +60,8 @@ def tile_lora(**options: Any) -> Callable[[nn.Module], None]:
     """``enable_tiling``, and a check that every MLP took the GLU form with its adapters."""
     def tile(model: nn.Module) -> None:
         tiledmlp.enable_tiling(model, **options)
-        infos = tiledmlp.describe(model).values()
-        assert infos and all(i.form == "glu" and "LoRA adapters" in i.computes for i in infos), list(infos)
+        infos = [i for i in tiledmlp.describe(model).values() if i.form != "loss"]  # the loss is tiled by default
+        assert infos and all(i.form == "glu" and "LoRA adapters" in i.computes for i in infos), infos
     return tile
 
 
@@ -137,19 +137,27 @@ def hf_mixtral_fsdp2_expert_units(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, mixtral, _experts_and_layer_units(env)), env)
 
 
+def uncached_llama() -> nn.Module:
+    """No KV cache: a checkpoint around a layer's call would append the recompute's keys to it a second time."""
+    model = llama()
+    model.config.use_cache = False
+    return model
+
+
 def checkpointed_llama() -> nn.Module:
     model = llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], **options: Any) -> dict[str, Any]:
+def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], build: Callable[[], nn.Module] = checkpointed_llama,
+                  **options: Any) -> dict[str, Any]:
     """Untiled checkpointed Llama against tiled + offloaded, under ``wrap``; reports the offloader's counts."""
     from tiledmlp import offload
 
     offload.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: offload them all the same
     offload._OFFLOADERS.clear()
-    recipe = _recipe(env, checkpointed_llama, wrap, tile=enable(tile_tokens=16, offload="cpu", **options))
+    recipe = _recipe(env, build, wrap, tile=enable(tile_tokens=16, offload="cpu", **options))
     metrics = untiled_vs_tiled(recipe, env)
     stats = offload.offloader_for(env.device).stats
     metrics.update(offload_regions=stats["regions"], offload_restored=stats["restored"])
@@ -164,6 +172,31 @@ def hf_llama_ddp_offload(env: Env) -> dict[str, Any]:
 @case
 def hf_llama_fsdp2_offload(env: Env) -> dict[str, Any]:
     return _offload_case(env, fsdp2(env, LlamaDecoderLayer))
+
+
+def _units_checkpointed_with_their_hooks(env: Env) -> Callable[[nn.Module], nn.Module]:
+    """fully_shard every decoder layer, then a non-reentrant ``checkpoint_wrapper`` around each unit, then the root:
+    the checkpoint calls the unit's ``__call__``, its FSDP2 hooks included, in forward and again in the recompute
+    — what transformers before 5.24 does with its own checkpointing (``partial(super().__call__)``), which the GPU
+    image runs and this CPU suite's transformers no longer does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    mesh = init_device_mesh(env.device.type, (env.world,))
+
+    def wrap(model: nn.Module) -> nn.Module:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            fully_shard(layer, mesh=mesh)
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return wrap
+
+
+@case
+def hf_llama_fsdp2_offload_hooks_in_checkpoint(env: Env) -> dict[str, Any]:
+    return _offload_case(env, _units_checkpointed_with_their_hooks(env), build=uncached_llama, loss=True, norms=True)
 
 
 @case

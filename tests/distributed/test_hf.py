@@ -25,9 +25,11 @@ CASES = {
 }
 #: checkpointed Llama with offload="cpu": backward recomputes each layer, so each tiled module in it is called
 #: once per step in backward (by the checkpoint, as untiled — never per shard): the MLP, and with norms=True
-#: its two RMSNorms. Values: (strategy, tiled modules per checkpointed layer).
+#: its two RMSNorms; and the layer's FSDP2 unit as often as untiled (transformers before 5.24 checkpoints the
+#: layer's __call__, its FSDP2 hooks included). Values: (strategy, tiled modules per checkpointed layer).
 OFFLOAD = {"hf_llama_ddp_offload": ("ddp", 1), "hf_llama_fsdp2_offload": ("fsdp2", 1),
-           "hf_llama_ddp_offload_norms": ("ddp", 3), "hf_llama_fsdp2_offload_norms": ("fsdp2", 3)}
+           "hf_llama_ddp_offload_norms": ("ddp", 3), "hf_llama_fsdp2_offload_norms": ("fsdp2", 3),
+           "hf_llama_fsdp2_offload_hooks_in_checkpoint": ("fsdp2", 3)}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_compile  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_first_step  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
 import bench_mlp  # noqa: E402
@@ -49,6 +50,22 @@ def test_bench_longctx_smoke(tmp_path):
         losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
         assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses  # same model, same loss
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_bench_first_step_smoke(tmp_path):
+    """Each variant in a fresh process: the first step and the later ones timed, their losses alike."""
+    rows = bench_first_step.main(["--smoke", "--out", str(tmp_path), "--variants", "untiled,loss+norms+offload"])
+    assert [r["variant"] for r in _csv(tmp_path / "bench_first_step_cpu_smoke.csv")] == ["untiled", "loss+norms+offload"]
+    for row in rows:
+        assert row["first_s"] > 0 and row["steady_s"] > 0 and row["enable_s"] >= 0 and row["compiles"] == 0, row
+        assert row["overhead_s"] == row["first_s"] - row["steady_s"]
+
+
+def test_bench_longctx_model_shapes():
+    """``--model 8b`` is the Llama-3.1-8B shape (untied head), ``1b`` the Llama-3.2-1B one (tied)."""
+    assert bench_longctx.MODELS["8b"] == dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                                              vocab=128256, tied=False)
+    assert bench_longctx.parse_args(["--model", "8b"]).model == "8b"
 
 
 def test_bench_decode_smoke(tmp_path):

@@ -259,7 +259,7 @@ def test_peft_lora_layers_compile_fullgraph(form):
             if "lora_B" in name:
                 p.normal_(std=0.02)
     tiledmlp.enable_tiling(eager, num_shards=3, form=form)
-    assert {i.form for i in tiledmlp.describe(eager).values()} == {"glu" if form == "auto" else "generic"}
+    assert {i.form for i in tiledmlp.describe(eager).values()} == {"glu" if form == "auto" else "generic", "loss"}
     model = copy.deepcopy(eager)
     counter = Counter()
     for layer in model.base_model.model.model.layers:
@@ -269,7 +269,7 @@ def test_peft_lora_layers_compile_fullgraph(form):
         _train(m, lambda i, m=m: m(input_ids=i, labels=i).loss, ids)
     _assert_same_params(eager, model)
     assert counter.ops and all(n == 1 for n in counter.ops)
-    assert {i.under_compile for i in tiledmlp.describe(model).values()} == {"operator"}
+    assert {i.under_compile for i in tiledmlp.describe(model).values() if i.form != "loss"} == {"operator"}
 
 
 class DropoutMLP(nn.Module):

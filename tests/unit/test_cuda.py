@@ -168,15 +168,19 @@ def test_loss_bf16_error_against_float64_on_gpu(mode):
         assert e_t <= 1.15 * e_u + 1e-7, (e_t, e_u)
 
 
+@pytest.mark.parametrize("scratch_mib", [16, None], ids=["16MiB", "default"])
 @pytest.mark.parametrize("accum, accum_bytes", [(torch.float32, 4 + 2), (None, 2)], ids=["float32", "scaled"])
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
-def test_loss_peak_memory_bound(mode, accum, accum_bytes):
+def test_loss_peak_memory_bound(mode, accum, accum_bytes, scratch_mib):
     """Peak above the inputs: at most two [tokens, hidden] activations' bytes, the head gradient's
     accumulator (float32, and the bf16 gradient it becomes; or block-scaled in the gradient's 2 bytes)
-    and the scratch budget; the untiled loss needs several [tokens, vocab] tensors."""
+    and the scratch budget — also the default one, which describe() names (256 MiB here, half the logits);
+    the untiled loss needs several [tokens, vocab] tensors."""
+    from tiledmlp.sharding import loss_budget_bytes
+
     x, w, labels = _loss_inputs()
     x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
-    budget = 16 * 2**20
+    budget = loss_budget_bytes(x.numel() * x.element_size(), scratch_mib)
 
     def peak(fn) -> int:
         fn(x, w, labels).backward()  # the steady state (one-time cuBLAS workspaces excluded)
@@ -191,7 +195,7 @@ def test_loss_peak_memory_bound(mode, accum, accum_bytes):
         x.grad = w.grad = None
         return used
 
-    tiled = peak(lambda a, b, c: tiledmlp.tiled_linear_cross_entropy(a, b, c, scratch_mib=16, mode=mode,
+    tiled = peak(lambda a, b, c: tiledmlp.tiled_linear_cross_entropy(a, b, c, scratch_mib=scratch_mib, mode=mode,
                                                                      grad_accum_dtype=accum))
     bound = 2 * x.numel() * x.element_size() + w.numel() * accum_bytes + budget
     assert tiled <= bound, (tiled, bound)

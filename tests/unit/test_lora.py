@@ -194,12 +194,46 @@ def test_a_layer_changed_after_enable_tiling_takes_the_generic_form(change, capl
         check_against_untiled(tiled, ref, x, 1e-5, grad=_grad)
     assert "changed since enable_tiling" in caplog.text and words in caplog.text, caplog.text
     assert not fast_shards
+    fallback = tiledmlp.describe(tiled)[""].fallback  # describe() says it too, not just the form recognized
+    assert "changed since enable_tiling" in fallback and "generic form" in fallback and words in fallback, fallback
     for module in (tiled, ref):
         for layer in _layers(module):
             undo(layer)
         module.zero_grad()
     check_against_untiled(tiled, ref, x, 1e-5, grad=_grad)
-    assert len(fast_shards) == 3
+    assert len(fast_shards) == 3 and tiledmlp.describe(tiled)[""].fallback == ""
+
+
+def test_merge_and_unload_gives_the_fast_form_of_the_merged_projections(caplog):
+    """peft's merge_and_unload() puts the base layers (adapters merged in) where the LoRA layers were: the next call
+    takes the fast form without adapters, named by its path in the unloaded model, with no warning (before: the
+    generic form every call, warned under the PEFT model's path, while describe() still said glu)."""
+    from peft import get_peft_model
+
+    from unit_helpers import assert_grads_match, batch, build
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    ref = copy.deepcopy(peft_model)
+    tiledmlp.enable_tiling(peft_model, num_shards=3)
+    merged, ref = peft_model.merge_and_unload(), ref.merge_and_unload()
+    for model in (merged, ref):
+        model.requires_grad_(True)
+    ids = batch()
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        losses = [model(input_ids=ids, labels=ids).loss for model in (merged, ref)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "model.layers.0.mlp: its LoRA layers were merged and unloaded" in caplog.text, caplog.text
+    for loss in losses:
+        loss.backward()
+    assert_close_rel(losses[0].detach(), losses[1].detach(), 1e-5, "loss")
+    assert_grads_match(merged, ref, 1e-5)
+    info = tiledmlp.describe(merged)["model.layers.0.mlp"]
+    assert (info.form, info.fallback) == ("glu", "") and "LoRA" not in info.computes
 
 
 def test_layers_a_fast_form_cannot_compute_stay_generic_with_a_reason():

@@ -198,6 +198,52 @@ def test_no_tensor_is_larger_than_the_scratch_budget(mode):
     assert watch.largest <= max(budget_mib * 2**20, inputs_size), watch.largest
 
 
+def peak_cpu_bytes(fn) -> int:
+    """The most host memory torch's allocator held at once while ``fn`` ran, above what it held before (from the
+    profiler's allocation events, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_the_scratch_budget_bounds_the_cpu_peak(mode):
+    """On the CPU too the budget bounds what a call holds beyond the gradients it returns: the torch reference
+    kernels work a block of rows at a time (before, their float32 temporaries of a whole 32 MiB chunk took the
+    peak to about 5x the budget)."""
+    x, w, _, labels = inputs(torch.float32, t=1024, v=32768)
+    budget = 32 * 2**20
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    peak = peak_cpu_bytes(lambda: tiled_linear_cross_entropy(xs, ws, labels, scratch_mib=32, mode=mode).backward())
+    gradients = 2 * w.numel() * 4 + 2 * x.numel() * 4  # the float32 head sum and the gradient; dx (and its sum)
+    assert peak <= budget + gradients + 16 * 2**20, (peak / 2**20, (budget + gradients) / 2**20)
+
+
+def test_no_tokens_give_what_cross_entropy_gives():
+    """An empty batch: NaN mean, 0 sum, no per-token losses, zero gradients (as F.cross_entropy), not an error."""
+    _, w, b, _ = inputs(torch.float32)
+    for reduction in ("mean", "sum", "none"):
+        for shape in ((0, H), (2, 0, H)):
+            x = torch.randn(shape, requires_grad=True)
+            labels = torch.zeros(shape[:-1], dtype=torch.long)
+            ws = w.clone().requires_grad_()
+            got = tiled_linear_cross_entropy(x, ws, labels, b, reduction=reduction)
+            want = F.cross_entropy(F.linear(x, w, b).reshape(-1, V), labels.reshape(-1), reduction=reduction)
+            want = want.reshape(labels.shape) if reduction == "none" else want
+            assert got.shape == want.shape
+            assert torch.equal(got.isnan(), want.isnan()) and (got.isnan().all() or torch.equal(got, want.float()))
+            got.sum().backward()
+            assert x.grad is not None and x.grad.shape == x.shape and not ws.grad.any()
+
+
 def test_fused_backward_runs_no_matrix_product():
     """The fused mode finishes its gradients in forward: backward only hands them out."""
     x, w, _, labels = inputs(torch.float32)
@@ -274,6 +320,9 @@ def test_bad_input_is_refused_with_the_fix_named():
         tiled_linear_cross_entropy(x, w, labels, label_smoothing=2.0)
     with pytest.raises(TypeError, match="hidden states must be a floating tensor"):
         tiled_linear_cross_entropy(labels, w, labels)
+    for accum in (torch.int32, torch.bool, "float32"):  # an integer sum would truncate every gradient silently
+        with pytest.raises(TypeError, match="grad_accum_dtype must be a floating torch.dtype"):
+            tiled_linear_cross_entropy(x, w, labels, grad_accum_dtype=accum)
 
 
 def test_the_automatic_fallback_to_recompute_is_said(caplog):
@@ -287,5 +336,6 @@ def test_the_automatic_fallback_to_recompute_is_said(caplog):
             tiled_linear_cross_entropy(x, w.requires_grad_(), labels, scratch_mib=SCRATCH).backward()
     said = [r.getMessage() for r in caplog.records if "recomputed in backward" in r.getMessage()]
     assert len(said) == 1 and "MiB or more fuses it" in said[0], said
+    assert f"in the {SCRATCH:.2g} MiB scratch budget" in said[0], said  # 0.05 MiB, not "0 MiB"
     suggested = int(re.search(r"A budget of (\d+) MiB", said[0]).group(1))
     assert loss_tile(labels.numel(), w.shape[0], w.shape[1], 4, suggested * 2**20).fused  # the fix named works

@@ -238,7 +238,7 @@ def test_enabling_again_without_loss_untiles_the_head_only():
     own = model.loss_function
     model.loss_function = own  # an instance-owned loss_function is restored as it was
     tiledmlp.enable_tiling(model, loss=True)
-    tiledmlp.enable_tiling(model)
+    tiledmlp.enable_tiling(model, loss=False)
     assert set(tiledmlp.tiled_modules(model)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
     assert model.__dict__["_loss_function"] is own and not model._forward_pre_hooks
 
@@ -285,6 +285,84 @@ def test_a_custom_loss_function_is_refused():
     with pytest.raises(ValueError, match="not transformers' ForCausalLMLoss"):
         tiledmlp.enable_tiling(model, loss=True)
     assert STATE_ATTR not in model.lm_head.__dict__
+
+
+def test_the_loss_is_tiled_by_default_where_it_can_be():
+    """``enable_tiling(model)`` tiles the loss of a causal LM (the logits are most of the activation memory at long
+    context); a head it cannot tile is said and left as it is (``loss=True`` refuses it); ``loss=False`` keeps the
+    head untouched; a model without a recognizable MLP gets its loss tiled instead of an error."""
+    model = tiledmlp.enable_tiling(build_lm("llama"))
+    assert set(tiledmlp.tiled_modules(model)) == {"model.layers.0.mlp", "model.layers.1.mlp", "lm_head"}
+    tiledmlp.enable_tiling(model, loss=False)
+    assert set(tiledmlp.tiled_modules(model)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    lora_head = _lora(build_lm("llama"), ["q_proj", "lm_head"])
+    tiledmlp.enable_tiling(lora_head)
+    assert not any(n.endswith("lm_head") for n in tiledmlp.tiled_modules(lora_head))
+    assert len(tiledmlp.tiled_modules(lora_head)) == 2
+    headless_mlps = build_lm("llama")
+    for layer in headless_mlps.model.layers:
+        layer.mlp = torch.nn.Identity()
+    assert set(tiledmlp.tiled_modules(tiledmlp.enable_tiling(headless_mlps))) == {"lm_head"}
+    with pytest.raises(ValueError, match="no MLP block recognized in LlamaAttention and no LM head"):
+        tiledmlp.enable_tiling(build_lm("llama").model.layers[0].self_attn)
+
+
+def test_every_read_of_the_placeholder_is_the_logits():
+    """Whatever reads the logits — the Trainer's ``.detach().cpu().numpy()``, ``np.asarray``, ``.tolist()``,
+    pickling, ``torch.save`` — gets the logits the untiled head computes from the same hidden states."""
+    import io
+
+    import numpy as np
+
+    tiled = tiled_copy(build_lm("llama"))
+    ids = batch()
+    with torch.no_grad():
+        out = tiled(input_ids=ids, labels=labels_of(ids))
+        want = tiled.lm_head.__dict__[STATE_ATTR].saved_forward or torch.nn.Linear.forward.__get__(tiled.lm_head)
+        expected = want(out.logits.hidden)
+    reads = {
+        "numpy": lambda t: torch.from_numpy(t.numpy()),
+        "detach.cpu.numpy": lambda t: torch.from_numpy(t.detach().cpu().numpy()),
+        "float.numpy": lambda t: torch.from_numpy(t.float().numpy()),
+        "np.asarray": lambda t: torch.from_numpy(np.asarray(t)),
+        "tolist": lambda t: torch.tensor(t.tolist()),
+        "pickle": lambda t: pickle.loads(pickle.dumps(t)),
+        "torch.save": lambda t: torch.load(io.BytesIO(_saved(t)), weights_only=True),
+        "deepcopy": copy.deepcopy,
+    }
+    for name, read in reads.items():
+        logits = LazyLogits(out.logits._lazy.__class__(out.logits._lazy.recipe), out.logits.shape, out.logits.dtype,
+                            out.logits.device)  # a fresh, unmaterialized placeholder of the same logits
+        got = read(logits)
+        assert type(got) is torch.Tensor and torch.equal(got, expected), name
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    return buffer.getvalue()
+
+
+def test_a_replaced_head_keeps_its_loss_tiled():
+    """``resize_token_embeddings`` makes a new ``nn.Linear`` for an untied head: the tiled loss moves there (before,
+    the head left tiled_modules() and the model computed full logits, silently)."""
+    ref = build_lm("llama", tie_word_embeddings=False)
+    tiled = tiled_copy(ref)
+    for model in (tiled, ref):
+        torch.manual_seed(3)
+        model.resize_token_embeddings(300, mean_resizing=False)
+    assert tiled.lm_head.out_features == 300 and tiledmlp.tiled_modules(tiled)["lm_head"] == "plain"
+    assert tiledmlp.describe(tiled, 1024)["lm_head"].shard_tokens is not None
+    ids = torch.randint(300, (2, 41), generator=torch.Generator().manual_seed(4))
+    out = tiled(input_ids=ids, labels=labels_of(ids))
+    assert isinstance(out.logits, LazyLogits) and not out.logits.materialized
+    out.loss.backward()
+    assert_close_rel(out.loss.detach(), step(ref, ids), TOL, "loss")
+    assert_grads_match(tiled, ref, TOL)
+    tiledmlp.disable_tiling(tiled)
+    assert _untouched(tiled)
 
 
 def test_bad_labels_are_refused():

@@ -33,8 +33,9 @@ def test_family_loss_and_gradients_match(family):
     names = tiledmlp.tiled_modules(tiled)
     expected_form = FAMILIES[family][3]
     where = "mlp.experts" if expected_form == "moe" else "mlp"  # MoE: the experts, routed once
-    assert names == {f"model.layers.{i}.{where}": "plain" for i in range(2)}, names
-    assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {expected_form}
+    # the loss too, by default
+    assert names == {**{f"model.layers.{i}.{where}": "plain" for i in range(2)}, "lm_head": "plain"}, names
+    assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {expected_form, "loss"}
     assert_same_training_signal(tiled, ref, batch())
     tiledmlp.disable_tiling(tiled)
     assert tiledmlp.tiled_modules(tiled) == {}
@@ -65,7 +66,7 @@ def test_peft_lora_llama(targets):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
-    names = tiledmlp.tiled_modules(tiled)
+    names = [n for n in tiledmlp.tiled_modules(tiled) if n != "base_model.model.lm_head"]  # the loss, by default
     assert len(names) == 2 and all(n.endswith("mlp") for n in names)
     assert {tiled.get_submodule(n).__dict__[STATE_ATTR].kind for n in names} == {"glu"}  # adapters in the fast form
     assert_same_training_signal(tiled, ref, batch())
@@ -93,9 +94,15 @@ def test_moe_router_logits_under_no_grad_are_exact():
 
 
 def test_moe_include_moe_false_leaves_moe_blocks_untiled():
+    """Nothing else to tile: the error says that include_moe=False excluded what was found; with the loss (the
+    default) the head is tiled alone."""
     model = build("mixtral")
-    with pytest.raises(ValueError, match="no MLP block recognized"):
-        tiledmlp.enable_tiling(model, include_moe=False)
+    with pytest.raises(ValueError, match=r"include_moe=False leaves its 2 MoE blocks \(model.layers.0.mlp, "
+                                         r"model.layers.1.mlp\) untiled, and it has no other MLP block"):
+        tiledmlp.enable_tiling(model, include_moe=False, loss=False)
+    assert tiledmlp.tiled_modules(model) == {}
+    tiledmlp.enable_tiling(model, include_moe=False)
+    assert tiledmlp.tiled_modules(model) == {"lm_head": "plain"}
 
 
 @pytest.mark.parametrize("use_reentrant, forwards_per_step", [(False, 1), (True, 2)])

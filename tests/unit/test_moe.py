@@ -80,6 +80,21 @@ def test_family_matches_untiled_with_router_aux_loss(family, implementation):
     assert tiledmlp.tiled_modules(tiled) == {}
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
+def test_include_moe_false_still_tiles_the_shared_experts(family):
+    """include_moe=False leaves the MoE block (router and routed experts) untiled; its shared expert is an MLP of
+    its own and stays tiled (before, the whole block's subtree was skipped and a model of MoE layers only had
+    nothing left to tile)."""
+    ref = build_moe(family)
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), tile_tokens=9, include_moe=False, loss=False)
+    shared = {k: v for k, v in MOE_FAMILIES[family][3].items() if k != "mlp.experts"}
+    assert {n.split("layers.0.")[1]: i.form for n, i in tiledmlp.describe(tiled).items() if "layers.0." in n} == shared
+    ids = batch()
+    got, want = step(tiled, ids), step(ref, ids)
+    assert_close_rel(got.loss.detach(), want.loss.detach(), TOL, "loss")
+    assert_grads_match(tiled, ref, TOL)
+
+
 def test_several_steps_with_an_optimizer_and_varying_lengths():
     ref = build_moe("qwen2_moe", "grouped_mm")
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), tile_tokens=16)

@@ -25,7 +25,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 def test_returns_same_object_and_names_every_mlp():
     model = tiny_llama()
     assert tiledmlp.enable_tiling(model) is model
-    assert tiledmlp.tiled_modules(model) == {f"model.layers.{i}.mlp": "plain" for i in range(3)}
+    assert tiledmlp.tiled_modules(model) == {**{f"model.layers.{i}.mlp": "plain" for i in range(3)}, "lm_head": "plain"}
 
 
 def test_root_module_is_tiled_too():

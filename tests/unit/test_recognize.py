@@ -180,6 +180,36 @@ def test_a_module_that_mixes_tokens_is_never_tiled():
         tiledmlp.enable_tiling(nn.Sequential(SelfAttention()))
 
 
+@pytest.mark.parametrize("zeroed", [("down_proj",), ("gate_proj", "down_proj"), ("gate_proj", "up_proj", "down_proj")])
+def test_zero_initialized_projections_get_their_fast_form(zeroed):
+    """Weights not loaded yet: with zero projections every candidate form would match (before: the generic form,
+    with a warning listing the candidates). The probe computes with random weights of the projections' shapes."""
+    tiled, ref = pair(llama_mlp(H, I))
+    for module in (tiled, ref):
+        for name in zeroed:
+            nn.init.zeros_(getattr(module, name).weight)
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    info = tiledmlp.describe(tiled)[""]
+    assert (info.form, info.reason) == ("glu", "")
+    assert info.computes == "down_proj(silu(gate_proj(x)) * up_proj(x))"
+    check_exact(tiled, ref)
+
+
+def test_a_forward_that_drops_its_bias_is_not_taken_for_one_that_adds_it():
+    """A zero bias hides whether the forward adds it; the probe's random bias does not."""
+
+    class NoBias(TwoLayer):
+        def forward(self, x):
+            return F.linear(F.gelu(F.linear(x, self.expand.weight)), self.contract.weight) + self.contract.bias
+
+    tiled, ref = pair(NoBias("gelu"))
+    for module in (tiled, ref):
+        nn.init.zeros_(module.expand.bias)
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    assert tiledmlp.describe(tiled)[""].form == "generic"
+    check_exact(tiled, ref)
+
+
 def test_probe_leaves_the_module_as_it_found_it():
     torch.manual_seed(0)
     mlp = biased(TwoLayer("gelu")).bfloat16()

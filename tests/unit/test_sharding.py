@@ -90,9 +90,27 @@ def test_fixed_count_and_fixed_tile():
     ({"tile_tokens": 0}, ValueError, "tile_tokens must be >= 1"),
     ({"num_shards": 2, "tile_tokens": 8}, ValueError, "not both"),
     ({"inter_chunks": 0}, ValueError, "inter_chunks must be >= 1"),
-    ({"scratch_mib": 0}, ValueError, "scratch_mib must be >= 1"),
-    ({"scratch_mib": "1G"}, TypeError, "scratch_mib must be a number"),
+    ({"scratch_mib": 0}, ValueError, "scratch_mib must be a positive number of MiB"),
+    ({"scratch_mib": -1.5}, ValueError, "scratch_mib must be a positive number of MiB"),
+    ({"scratch_mib": float("inf")}, ValueError, "scratch_mib must be a positive number of MiB"),
+    ({"scratch_mib": "1G"}, TypeError, "scratch_mib must be a positive number of MiB"),
 ])
 def test_bad_values_are_refused(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ShardPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (-0.5, ValueError), ("64M", TypeError), (True, TypeError),
+                                        (0.05, None), (64, None)])
+def test_both_scratch_budgets_take_the_same_values(value, exc):
+    """``scratch_mib`` and ``loss_scratch_mib`` accept and refuse the same things (fractions of a MiB included)."""
+    import tiledmlp
+    from unit_helpers import build
+
+    for option in ("scratch_mib", "loss_scratch_mib"):
+        model = build("llama")
+        if exc is None:
+            tiledmlp.enable_tiling(model, **{option: value})
+        else:
+            with pytest.raises(exc, match=f"{option} must be a positive number of MiB"):
+                tiledmlp.enable_tiling(model, **{option: value})

@@ -15,7 +15,8 @@ logit (:class:`LogitTransform`: Granite's scaling, Gemma's tanh softcap):
 
 Memory traffic (Triton): a stats pass reads the chunk once (``itemsize`` bytes per logit), a gradient
 pass reads and writes it once (``2 * itemsize``); nothing is allocated. The torch reference (CPU, or
-float64) has the same math and allocates float32 temporaries of the chunk's size.
+float64) has the same math, a block of rows at a time: its float32 temporaries are a few blocks of
+``_TORCH_BLOCK`` logits (4 MiB each), whatever the chunk's size.
 """
 
 from __future__ import annotations
@@ -172,9 +173,26 @@ def _label_columns(labels: Tensor, col_start: int, cols: int) -> tuple[Tensor, T
     return here, torch.where(here, local, 0)
 
 
+#: the torch reference computes a chunk in blocks of rows of about this many logits, so that its float32
+#: temporaries (a few per block) stay far inside the scratch budget that bounds the chunk itself
+_TORCH_BLOCK = 1 << 20
+
+
+def _row_blocks(logits: Tensor) -> list[slice]:
+    rows, cols = logits.shape
+    step = max(1, _TORCH_BLOCK // max(cols, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 @torch.no_grad()
 def _stats_torch(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, first: bool,
                  transform: LogitTransform) -> None:
+    for rows in _row_blocks(logits):
+        _stats_rows(logits[rows], labels[rows], col_start, stats[:, rows], first, transform)
+
+
+def _stats_rows(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, first: bool,
+                transform: LogitTransform) -> None:
     f, _ = transform.apply(_compute(logits))
     m = f.amax(1)
     s = torch.exp(f - m[:, None]).sum(1)
@@ -192,6 +210,13 @@ def _stats_torch(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, 
 @torch.no_grad()
 def _grad_torch(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef: Tensor, vocab: int,
                 transform: LogitTransform, label_smoothing: float, z_loss: float) -> None:
+    for rows in _row_blocks(logits):
+        _grad_rows(logits[rows], labels[rows], col_start, lse[rows], coef[rows], vocab, transform, label_smoothing,
+                   z_loss)
+
+
+def _grad_rows(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef: Tensor, vocab: int,
+               transform: LogitTransform, label_smoothing: float, z_loss: float) -> None:
     z = _compute(logits)
     f, df = transform.apply(z)
     lse, coef = lse[:, None], coef[:, None]

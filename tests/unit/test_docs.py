@@ -1,0 +1,44 @@
+"""What the docs show as program output is what the program prints: the ``describe()`` table of the README and
+``docs/recognition.md`` is generated here from the code, for the model they name, and compared line for line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tiledmlp
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = ("README.md", "docs/recognition.md")
+
+
+def documented_model() -> torch.nn.Module:
+    """A Llama-3.2-1B-shaped model cut to 2 layers, bf16: on the meta device (describe() needs shapes), but for the
+    MLPs, which the probe runs."""
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    torch.manual_seed(0)
+    for layer in model.model.layers:
+        layer.mlp.to_empty(device="cpu")
+        for p in layer.mlp.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def documented_table(page: str) -> str:
+    text = (ROOT / page).read_text()
+    found = re.findall(r"```\n(tiled 2 MLPs.*?)\n```", text, re.S)
+    assert len(found) == 1, f"{page}: expected one describe() block, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_documented_describe_table_is_the_programs(page):
+    generated = str(tiledmlp.describe(tiledmlp.enable_tiling(documented_model()), seq_len=131072))
+    assert documented_table(page) == generated, f"{page} shows a stale table; the code prints:\n{generated}"
