@@ -145,7 +145,8 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     policy = spec.policy
     base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
                 policy=_policy_words(policy), tokens=tokens, fallback=state.fallback,
-                under_compile="operator" if state.traced is not None else "eager call, one graph break")
+                under_compile="operator" if state.traced is not None and not spec.quantized
+                else "eager call, one graph break")
     params = _params(state)
     if tokens is None or params is None:
         return TileInfo(**base)
@@ -168,11 +169,14 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     style = read_style(down)
     if style is not None:  # tensor parallel: each rank tiles its slice of the intermediate dimension
         inter //= style.mesh.size()
-    itemsize = params[layout.down.weight].element_size()
+    # 4-bit weights: the compute dtype's size, and their dequantized copies beside the shards while a pass runs
+    compute = [getattr(q.module, "compute_dtype", None) or torch.bfloat16 for _, q in spec.quantized]
+    itemsize = torch.finfo(compute[0]).bits // 8 if compute else params[layout.down.weight].element_size()
+    dequantized = sum(q.module.in_features * q.module.out_features for _, q in spec.quantized) * itemsize
     rows, chunks = policy.mlp_tile(tokens, inter, itemsize, layout.gated)
     forward_rows = policy.mlp_forward_rows(inter, itemsize, rows, layout.gated)
-    scratch = max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
-                  forward_rows * (2 if layout.gated else 1) * inter * itemsize)
+    scratch = dequantized + max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
+                                forward_rows * (2 if layout.gated else 1) * inter * itemsize)
     return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,
                     scratch_bytes=scratch)
 

@@ -23,7 +23,13 @@ from torch import nn
 
 from .accumulate import GradAccumulator
 
-__all__ = ["Slot", "ModuleForm", "is_plain_linear", "swapped"]
+
+def is_quantized(t: Any) -> bool:
+    """A bitsandbytes quantized parameter (4-bit ``Params4bit``, 8-bit ``Int8Params``): never detached, swapped for
+    a plain tensor or differentiated by tiling (``tiledmlp.quant``)."""
+    return isinstance(t, torch.Tensor) and type(t).__module__.startswith("bitsandbytes")
+
+__all__ = ["Slot", "ModuleForm", "is_plain_linear", "is_quantized", "swapped"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,10 @@ def is_plain_linear(m: Any) -> bool:
 
 
 def _as_leaves(params: Sequence[torch.Tensor], needs: Sequence[bool]) -> list[torch.Tensor]:
-    """Detached copies (sharing storage) that autograd can differentiate without touching the originals."""
-    return [p.detach().requires_grad_(need) for p, need in zip(params, needs)]
+    """Detached copies (sharing storage) that autograd can differentiate without touching the originals. A
+    quantized weight stays itself: it gets no gradient, and its module needs its quantization state (a bitsandbytes
+    4-bit layer cannot compute with a plain tensor of its packed bytes)."""
+    return [p if is_quantized(p) else p.detach().requires_grad_(need) for p, need in zip(params, needs)]
 
 
 class ModuleForm:

@@ -132,6 +132,10 @@ class Form(Protocol):
     #: whatever ``grad_accum_dtype`` says: small ones where precision matters more than 2 bytes per element
     float32_sums: tuple[int, ...]
 
+    # Optional: ``expand(params) -> params``, the tensors every shard of one pass computes with, made once per
+    # pass (forward, backward) inside the strategy's context and dropped after it (4-bit weights dequantized:
+    # ``tiledmlp.quant``). Forms without it compute with the parameters as given.
+
     def forward_shard(self, x: torch.Tensor, params: Sequence[torch.Tensor],
                       out: Optional[Sequence[Optional[torch.Tensor]]] = None, side: Sequence[torch.Tensor] = (),
                       dx_out: Optional[torch.Tensor] = None,
@@ -253,6 +257,7 @@ def forward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tenso
     buffers: list[Optional[torch.Tensor]] = []
     rows_view: list[Optional[torch.Tensor]] = []  # each buffer seen as [tokens, ...]
     rows = x.shape[0]
+    params = _expanded(call.form, params)
     for idx, (start, stop) in enumerate(_shard_bounds(rows, call.forward_rows or call.shard_rows)):
         # The first shard's outputs size the buffers; later shards may be computed straight into them.
         dests = None if idx == 0 else tuple(None if v is None else v[start:stop] for v in rows_view)
@@ -359,6 +364,7 @@ def backward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
         zeros = [None if t is None else t.zero_() for t in (dx, *d_inputs)]
         return zeros[0], zeros[1:], grads.results()
     with record_function("tiledmlp::backward"), call.around_backward():
+        params = _expanded(call.form, params)
         for start, stop in _shard_bounds(x.shape[0], call.shard_rows):
             shard_grads = [None if g is None else g[start:stop] for g in grad_outputs]
             side = tuple(t[start:stop] for t in (*token_inputs, *call.side))
@@ -368,6 +374,12 @@ def backward_shards(call: TileCall, x: torch.Tensor, params: Sequence[torch.Tens
                     x[start:stop], shard_grads, params, None if dx is None else dx[start:stop], grads, side, **extra
                 )
     return dx, d_inputs, grads.results()
+
+
+def _expanded(form: Form, params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """What one pass's shards compute with (the form's optional ``expand``)."""
+    expand = getattr(form, "expand", None)
+    return params if expand is None else expand(params)
 
 
 def _hand_out_forward_grads(ctx, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:

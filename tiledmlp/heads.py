@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .forms import Slot, is_plain_linear
+from .forms import Slot, is_plain_linear, is_quantized
 from .function import in_shard
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
 from .logs import warn_once, warn_once_traced
@@ -141,6 +141,12 @@ def check_causal_lm(name: str, module: nn.Module) -> nn.Linear:
     """The head of a causal LM that can be tiled; ``ValueError`` naming the fix otherwise."""
     label = name or type(module).__name__
     head = module.get_output_embeddings()
+    if not is_plain_linear(head) and is_quantized(getattr(head, "weight", None)):
+        raise ValueError(
+            f"{label}: its output layer is a quantized {type(head).__name__}; the tiled loss computes the head in "
+            "full precision. Load the model with the head unquantized (bitsandbytes' default; "
+            "BitsAndBytesConfig(llm_int8_skip_modules=[..., 'lm_head']) keeps it so when you name modules) or "
+            "enable tiling with loss=False.")
     if not is_plain_linear(head):
         raise ValueError(
             f"{label}: its output layer is a {type(head).__name__}, not a plain nn.Linear (a LoRA- or "

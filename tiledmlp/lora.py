@@ -60,11 +60,17 @@ class Adapter:
     child: str = ""
 
 
+#: peft's LoRA layers whose plain state the fast forms compute: ``lora.Linear``, and the one around a bitsandbytes
+#: 4-bit base layer (which casts the adapter's output to the base output's dtype before adding it: the same sum
+#: within one rounding)
+_COMPUTED = {("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.bnb", "Linear4bit")}
+
+
 def lora_adapter(m: nn.Module) -> Union[Adapter, str]:
     """The adapter a fast form can compute for the peft LoRA layer ``m``, or why there is none."""
     cls = type(m)
-    if not (cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"):
-        return f"a {cls.__name__} LoRA layer (the fast forms compute peft's lora.Linear)"
+    if (cls.__module__, cls.__name__) not in _COMPUTED:
+        return f"a {cls.__name__} LoRA layer (the fast forms compute peft's lora.Linear and lora's Linear4bit)"
     if m.merged:
         return "its adapters are merged into the base weight"
     if m.disable_adapters:

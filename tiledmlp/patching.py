@@ -52,6 +52,7 @@ from .logs import warn_once, warn_once_traced
 from .lora import changed_adapters
 from .mlp_form import MLPLayout
 from .norms import recognize_norm
+from .quant import quantized_problem
 from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
@@ -398,6 +399,9 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     if any(is_dtensor(p) or hasattr(p, "ds_id") for p in params):
         return _eager_call(module, "its parameters are sharded (DTensor or ZeRO-3) and its strategy gathers "
                            "them", args, kwargs)
+    if len(state.spec.quantized) > 0:
+        return _eager_call(module, "its 4-bit weights are bitsandbytes tensor subclasses, dequantized per call "
+                           "outside the graph", args, kwargs)
     if state.kind == "norm" and (autocast_name(x.device.type) or any(p.dtype != x.dtype for p in params)):
         # The operator's output is typed like its input (or autocast's dtype): a norm under autocast or with
         # parameters of another dtype may return another one (LayerNorm runs in float32 under autocast).
@@ -473,6 +477,12 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         state.fallback = f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the generic form"
         warn_once(("adapters", state.spec.name, tuple(changed)), _ADAPTERS_TAKE_GENERIC, state.spec.name,
                   "; ".join(changed), state.kind)
+    problem = quantized_problem(state.spec.quantized, x) if fast and state.spec.quantized else ""
+    if problem:  # the fast form would not compute what bitsandbytes does: its own forward, per shard
+        fast = False
+        state.fallback = f"{problem}: calls take the generic form"
+        warn_once(("quantized", state.spec.name, problem), "%s: %s; these calls take the generic form, which runs "
+                  "bitsandbytes' own forward per shard", state.spec.name, problem)
     if fast:
         state.fallback = ""  # describe() says what the last call did
     return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
@@ -573,7 +583,8 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.moe_block, norm=rec.kind == "norm", grad_accum_dtype=grad_accum_dtype)
+                             is_moe=rec.moe_block, norm=rec.kind == "norm", grad_accum_dtype=grad_accum_dtype,
+                             quantized=rec.quantized)
         names = _input_names(_original_forward(module))
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
                                    forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,

@@ -63,6 +63,7 @@ from .hooks import hooked_children, silenced_hooks
 from .forms import Slot, is_plain_linear, swapped
 from .lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from .mlp_form import MLPForm, MLPLayout, Proj
+from .quant import QuantizedLinear, dequantizable, dequantize, quant_state_of, quantized_linear
 from .runtime import dedupe
 
 __all__ = ["Recognized", "LinearLike", "hidden_sizes", "linear_like", "recognize_mlp", "activation_name",
@@ -94,6 +95,7 @@ class Recognized:
     computes: str = ""  # what the fast form computes, in the children's names
     moe_block: bool = False  # a whole MoE block on the generic form (its router runs per shard)
     adapters: tuple[Adapter, ...] = ()  # the fast form's LoRA adapters, whose state each call checks
+    quantized: tuple[tuple[int, QuantizedLinear], ...] = ()  # the fast form's 4-bit weights: (slot index, layer)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class LinearLike:
     """A child that computes ``x @ W.T + b``: its name, dimensions, and where its weight and bias
     live. ``transposed``: the weight is stored ``[in, out]`` (``Conv1D``); ``adapter``: a peft LoRA
     adapter the fast forms compute; ``wrapper``: what wraps the base linear that they do not (a LoRA
-    layer in another state, and why)."""
+    layer in another state, and why); ``quant``: the weight is 4-bit (bitsandbytes ``Linear4bit``)."""
 
     name: str
     in_features: int
@@ -111,6 +113,7 @@ class LinearLike:
     transposed: bool = False
     adapter: Optional[Adapter] = None
     wrapper: str = ""
+    quant: Optional[QuantizedLinear] = None  # a 4-bit base weight (``tiledmlp.quant``), dequantized per call
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -124,6 +127,10 @@ def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
     if is_plain_linear(m):
         bias = Slot(m, "bias") if m.bias is not None else None
         return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias)
+    quant = quantized_linear(m)
+    if quant is not None:
+        bias = Slot(m, "bias") if m.bias is not None else None
+        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant)
     if _is_conv1d(m):
         weight = m.__dict__.get("_parameters", {}).get("weight")
         n_in = getattr(m, "nx", None) or (weight.shape[0] if weight is not None and weight.dim() == 2 else None)
@@ -251,32 +258,37 @@ def _rel_max_err(got: Any, ref: torch.Tensor) -> float:
 
 class _Probe:
     """The module's forward on probe tokens, with float32 copies of its parameters swapped in (made
-    once, whatever input widths are tried); ``projections``: ``(weight, bias or None, fan-in)`` slot indices of
-    the Linear-like children, whose copies are random instead (see :meth:`_randomize_projection`)."""
+    once, whatever input widths are tried); ``projections``: the Linear-like children, whose copies are random
+    instead (see :meth:`_randomize_projection`). A 4-bit child (``tiledmlp.quant``) is replaced by a plain linear
+    of its shape, computing with such a copy, while the forward runs: its packed weight cannot be swapped."""
 
     def __init__(self, forward: Callable[..., Any], module: nn.Module, slots: Sequence[Slot],
                  adapters: Sequence[LowRank] = (), weights: Sequence[int] = (),
-                 projections: Sequence[tuple[int, Optional[int], int]] = ()) -> None:
+                 projections: Sequence[tuple[LinearLike, int, Optional[int]]] = ()) -> None:
         self.forward, self.module, self.slots = forward, module, slots
         full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
         self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
         gen = torch.Generator(device=self.proxies[0].device if self.proxies else "cpu").manual_seed(2)
-        for weight, bias, fan_in in projections:
-            self._randomize_projection(weight, bias, fan_in, gen)
+        for lin, weight, bias in projections:
+            self._randomize_projection(lin, weight, bias, gen)
         for adapter, weight in zip(adapters, weights):
             self._randomize(adapter, weight)
         self._unique, self._index = dedupe(self.proxies)
+        self.stand_ins = {lin.weight.owner: _StandIn(self.proxies[weight], None if bias is None else self.proxies[bias])
+                          for lin, weight, bias in projections if lin.quant is not None}
         self.x = torch.empty(0)
         self.hidden = 0
 
-    def _randomize_projection(self, weight: int, bias: Optional[int], fan_in: int, gen: torch.Generator) -> None:
-        """Random weights (and bias) of the module's own shapes for a projection: the probe identifies what the
-        forward computes, whatever the values are. With the real ones, a zero-initialized ``down_proj`` (weights
-        not loaded yet) makes every candidate match, and a zero bias hides whether the forward adds it."""
-        for index, scale in ((weight, fan_in ** -0.5), (bias, 1.0)):
+    def _randomize_projection(self, lin: LinearLike, weight: int, bias: Optional[int], gen: torch.Generator) -> None:
+        """Random weights (and bias) of the projection's shapes: the probe identifies what the forward computes,
+        whatever the values are. With the real ones, a zero-initialized ``down_proj`` (weights not loaded yet)
+        makes every candidate match, and a zero bias hides whether the forward adds it."""
+        shape = (lin.in_features, lin.out_features) if lin.transposed else (lin.out_features, lin.in_features)
+        for index, size, scale in ((weight, shape, lin.in_features ** -0.5), (bias, (lin.out_features,), 1.0)):
             if index is not None:
                 t = self.proxies[index]
-                self.proxies[index] = torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) * scale
+                dtype = t.dtype if t.is_floating_point() and lin.quant is None else torch.float32
+                self.proxies[index] = torch.randn(size, generator=gen, device=t.device, dtype=dtype) * scale
 
     def _randomize(self, adapter: LowRank, weight: int) -> None:
         """Random ``A`` and ``B`` for a LoRA adapter (on the base weight at ``weight``), scaled so its term is
@@ -318,12 +330,64 @@ class _Probe:
     def run(self, *inputs: torch.Tensor, training: bool) -> Any:
         """The forward on ``inputs`` (the probe tokens, and for MoE experts their routing)."""
         with (torch.no_grad(), _exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),
-              silenced_hooks(self.module)):
+              silenced_hooks(self.module), _standing_in(self.module, self.stand_ins)):
             return self.forward(*inputs)
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
         with torch.no_grad(), _exact_float32():
             return MLPForm(layout.remap(self._index)).forward_shard(self.x[0], self._unique)[0]
+
+
+class _StandIn(nn.Module):
+    """A plain linear computing with a probe's copy of a 4-bit child's weight, in that child's place."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def _standing_in(module: nn.Module, stand_ins: dict[nn.Module, nn.Module]) -> Iterator[None]:
+    """Each key of ``stand_ins`` (a child somewhere below ``module``) replaced by its value, restored on exit."""
+    places = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()
+              if child in stand_ins]
+    try:
+        for parent, name, child in places:
+            parent._modules[name] = stand_ins[child]
+        yield
+    finally:
+        for parent, name, child in places:
+            parent._modules[name] = child
+
+
+def _dequantized_linear_problem(lin: LinearLike) -> str:
+    """What a 4-bit child's GEMM computes, checked once on random float32 tokens: bitsandbytes' ``matmul_4bit``
+    (what ``Linear4bit.forward``, its class's own, calls) against ``F.linear`` with the weight dequantized. The
+    weight is read whole (an FSDP2 shard gathered; ZeRO-3 gathered it for the probe). "" if it matches, else
+    what differs."""
+    import bitsandbytes as bnb
+
+    m = lin.weight.owner
+    problem = dequantizable(m)
+    if problem:
+        return f"cannot be dequantized: {problem}"
+    state = quant_state_of(m)
+    packed = m.weight.detach()
+    packed = packed.full_tensor() if is_dtensor(packed) else packed
+    device = state.absmax.device
+    tokens = torch.randn(PROBE_TOKENS, lin.in_features, device=device,
+                         generator=torch.Generator(device=device).manual_seed(3))
+    bias = None if getattr(m, "bias", None) is None else m.bias.detach().float()
+    bias = bias.full_tensor() if bias is not None and is_dtensor(bias) else bias
+    with torch.no_grad(), _exact_float32():
+        got = bnb.matmul_4bit(tokens, packed, quant_state=state, bias=bias)
+        want = F.linear(tokens, dequantize(packed, state, torch.float32), bias)
+    if _rel_max_err(got, want) > PROBE_RTOL:
+        return f"does not compute F.linear with its dequantized weight here (max relative error {_rel_max_err(got, want):.1e})"
+    return ""
 
 
 def _probe_unavailable(module: nn.Module, params: Sequence[torch.Tensor], linears: Sequence[LinearLike]) -> str:
@@ -336,7 +400,7 @@ def _probe_unavailable(module: nn.Module, params: Sequence[torch.Tensor], linear
         return "its parameters are views of an FSDP1 flat parameter"
     for lin in linears:
         shape = (lin.in_features, lin.out_features) if lin.transposed else (lin.out_features, lin.in_features)
-        if tuple(lin.weight.get().shape) != shape:
+        if lin.quant is None and tuple(lin.weight.get().shape) != shape:
             return "its parameters are shards (FSDP1 with use_orig_params=True)"
     return ""
 
@@ -433,7 +497,7 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
     adapted = [lin for lin in linears if lin.adapter is not None]
-    projections = [(_index(lin.weight, where), None if lin.bias is None else _index(lin.bias, where), lin.in_features)
+    projections = [(lin, _index(lin.weight, where), None if lin.bias is None else _index(lin.bias, where))
                    for lin in linears]
     probe = _Probe(forward, module, slots, [_proj(lin, where).adapter for lin in adapted],
                    [_index(lin.weight, where) for lin in adapted], projections)
@@ -467,6 +531,10 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
     if outside:
         return generic(f"it has parameters or buffers outside its projections ({', '.join(outside[:4])}), which "
                        "the fast forms do not compute with")
+    for lin in (lin for lin in linears if lin.quant is not None):
+        problem = _dequantized_linear_problem(lin)
+        if problem:
+            return generic(f"its 4-bit projection {lin.name} {problem}; the generic form runs bitsandbytes' forward")
     dropouts = _dropouts(module)
     if dropouts:
         return generic(f"it applies dropout ({', '.join(dropouts)}); the generic form replays it exactly. Set the "
@@ -483,8 +551,14 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
                 matches.append((description.replace("act(", f"{act}("), layout))
     if len(matches) == 1:
         computes = matches[0][0] + (f", with LoRA adapters on {', '.join(l.name for l in adapted)}" if adapted else "")
+        quantized = [lin for lin in linears if lin.quant is not None]
+        if quantized:
+            kinds = sorted({lin.quant.describe() for lin in quantized})
+            computes += (f", {' and '.join(kinds)} base weights of {', '.join(lin.name for lin in quantized)} "
+                         "dequantized once per pass")
         return Recognized(matches[0][1].form, tuple(slots), matches[0][1], computes=computes,
-                          adapters=tuple(lin.adapter for lin in adapted))
+                          adapters=tuple(lin.adapter for lin in adapted),
+                          quantized=tuple((_index(lin.weight, where), lin.quant) for lin in quantized))
     if matches:
         return generic("the probe matched several fast forms (" + "; ".join(d for d, _ in matches) + ")")
     return generic("its forward matches no fast form: neither down(act(gate(x)) * up(x)) nor down(act(up(x))) "

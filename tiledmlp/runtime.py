@@ -23,6 +23,7 @@ from .forms import ModuleForm, Slot
 from .mlp_form import MLPForm, MLPLayout
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
 from .function import TileCall, run_tiled
+from .quant import QuantizedLinear, QuantizedMLPForm, compute_dtype_of, quant_state_of
 from .sharding import ShardPolicy, moe_scratch_per_token
 
 __all__ = ["PreparedCall", "TiledCallSpec", "dedupe"]
@@ -72,6 +73,8 @@ class TiledCallSpec:
     is_moe: bool = False  # a whole MoE block on the generic form
     norm: bool = False  # a normalization layer on the generic form (``tiledmlp.norms``): shards sized by its copies
     grad_accum_dtype: Optional[torch.dtype] = None
+    # The fast form's 4-bit weights (``tiledmlp.quant``): (slot index, the layer that owns it)
+    quantized: tuple[tuple[int, QuantizedLinear], ...] = ()
 
     def __call__(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                  x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
@@ -111,6 +114,16 @@ class TiledCallSpec:
             shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
             gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
             form = MoEForm(lay, gate_fn)
+        elif lay is not None and self.quantized:
+            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
+            c = compute_dtype_of(self.quantized[0][1].module, x)
+            inter = quantized[lay.down.weight].shape[1] if lay.down.weight in quantized else lay.inter(tensors)
+            itemsize = torch.finfo(c).bits // 8
+            shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
+            forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
+            form = QuantizedMLPForm(lay, chunks, quantized, c)
+            if accum is None:
+                accum = lay.default_grad_accum_dtype
         elif lay is not None:
             inter = lay.inter(tensors)
             itemsize = _compute_itemsize(x, tensors[lay.down.weight])

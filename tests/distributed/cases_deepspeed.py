@@ -22,7 +22,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
-from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral, tile_lora
+from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral, qlora_llama, tile_lora
 from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
                     count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
                     use_apply)
@@ -222,6 +222,14 @@ def zero3_hf_lora(env: Env) -> dict[str, Any]:
     """PEFT LoRA on the MLP projections: frozen base weights (gathered, released without a gradient), the
     GLU form with the adapters."""
     return untiled_vs_tiled(env, lora_llama, config(3, env), hf_batches(env, HF_VOCAB), tile=tile_lora(tile_tokens=16))
+
+
+@case
+def zero3_hf_qlora(env: Env) -> dict[str, Any]:
+    """QLoRA under ZeRO-3: the 4-bit packed weights partitioned and gathered like any frozen parameter, dequantized
+    once per pass after the gather."""
+    return untiled_vs_tiled(env, qlora_llama(), config(3, env), hf_batches(env, HF_VOCAB),
+                            tile=tile_lora(quantized=True, tile_tokens=16))
 
 
 @case

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import tiledmlp
+import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -56,12 +57,38 @@ def lora_llama() -> nn.Module:
     return get_peft_model(llama(), config)
 
 
-def tile_lora(**options: Any) -> Callable[[nn.Module], None]:
-    """``enable_tiling``, and a check that every MLP took the GLU form with its adapters."""
+def qlora_llama(storage: torch.dtype = torch.uint8) -> Callable[[], nn.Module]:
+    """QLoRA: a Llama whose MLP projections are bitsandbytes 4-bit (nf4, double-quantized, float32 compute; packed
+    in ``storage``, float32 for FSDP2, as ``bnb_4bit_quant_storage`` does) with LoRA on them, the rest frozen."""
+    def build() -> nn.Module:
+        import bitsandbytes as bnb
+
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, **{**_SHAPE, "hidden_size": 64}))
+        for layer in model.model.layers:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                lin = getattr(layer.mlp, name)
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
+                                      quant_type="nf4", quant_storage=storage)
+                q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                             quant_storage=storage, module=q)
+                setattr(layer.mlp, name, q.to("cpu"))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(std=0.05)
+        return model
+    return build
+
+
+def tile_lora(quantized: bool = False, **options: Any) -> Callable[[nn.Module], None]:
+    """``enable_tiling``, and a check that every MLP took the GLU form with its adapters (and 4-bit base weights)."""
     def tile(model: nn.Module) -> None:
         tiledmlp.enable_tiling(model, **options)
         infos = [i for i in tiledmlp.describe(model).values() if i.form != "loss"]  # the loss is tiled by default
         assert infos and all(i.form == "glu" and "LoRA adapters" in i.computes for i in infos), infos
+        assert all(("4-bit nf4" in i.computes) == quantized for i in infos), infos
     return tile
 
 
@@ -220,6 +247,22 @@ def hf_peft_lora_ddp(env: Env) -> dict[str, Any]:
 def hf_peft_lora_fsdp2(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, lora_llama, fsdp2(env, LlamaDecoderLayer), tile=tile_lora(tile_tokens=16)),
                             env)
+
+
+@case
+def hf_qlora_ddp(env: Env) -> dict[str, Any]:
+    """4-bit base weights (dequantized once per pass in the GLU form) and LoRA under DDP."""
+    return untiled_vs_tiled(_recipe(env, qlora_llama(), ddp(env), tile=tile_lora(quantized=True, tile_tokens=16)),
+                            env)
+
+
+@case
+def hf_qlora_fsdp2(env: Env) -> dict[str, Any]:
+    """Under FSDP2, packed in float32 (bnb_4bit_quant_storage) so the units can shard them: the strategy reads the
+    unsharded packed bytes, the quantization state from the layer."""
+    recipe = _recipe(env, qlora_llama(torch.float32), fsdp2(env, LlamaDecoderLayer),
+                     tile=tile_lora(quantized=True, tile_tokens=16))
+    return untiled_vs_tiled(recipe, env)
 
 
 @case

@@ -28,7 +28,7 @@ STANDARD = {
 }
 #: recomputing a module whose input needs no gradient reads frozen weights that the untiled backward,
 #: which kept the activations, does not gather again
-RECOMPUTE_GATHERS = {"zero3_hf_lora": "deepspeed"}
+RECOMPUTE_GATHERS = {"zero3_hf_lora": "deepspeed", "zero3_hf_qlora": "deepspeed"}
 SPECIAL = {"zero3_bf16", "zero3_prefetch_trace_stable", "deepspeed_refusals", "zero3_enable_after_steps"}
 
 
@@ -58,10 +58,11 @@ def test_matches_untiled(suite, case):
     _assert_gathers(metrics)
 
 
-def test_lora_gathers_once_per_pass(suite):
-    metrics = suite.metrics("zero3_hf_lora")
+@pytest.mark.parametrize("case", list(RECOMPUTE_GATHERS))
+def test_lora_gathers_once_per_pass(suite, case):
+    metrics = suite.metrics(case)
     assert_same_training(metrics)
-    assert_tiled_like_untiled(metrics, "deepspeed", collectives=False)
+    assert_tiled_like_untiled(metrics, RECOMPUTE_GATHERS[case], collectives=False)
     _assert_gathers(metrics, at_most_once_in_backward=True)
 
 

@@ -16,6 +16,7 @@ import bench_decode  # noqa: E402
 import bench_first_step  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
+import bench_qlora  # noqa: E402
 import bench_mlp  # noqa: E402
 import bench_moe  # noqa: E402
 
@@ -66,6 +67,18 @@ def test_bench_longctx_model_shapes():
     assert bench_longctx.MODELS["8b"] == dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                                               vocab=128256, tied=False)
     assert bench_longctx.parse_args(["--model", "8b"]).model == "8b"
+
+
+def test_bench_qlora_smoke(tmp_path):
+    """4-bit MLP and model, untiled and tiled: the tiled ones in the GLU form with their 4-bit weights (and the loss
+    and norms for the model); the same loss either way."""
+    rows = bench_qlora.main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "bench_qlora_cpu_smoke.csv").stat().st_size > 0
+    by = {(r["kind"], r["variant"]): r for r in rows}
+    assert set(by) == {(k, v) for k in ("mlp", "step") for v in ("untiled", "tiled")}
+    assert by["mlp", "tiled"]["forms"] == "glu" and by["step", "tiled"]["forms"] == "glu+loss+norm"
+    assert by["mlp", "untiled"]["forms"] == "" and all(r["time_s"] > 0 for r in rows)
+    assert abs(by["step", "tiled"]["loss"] - by["step", "untiled"]["loss"]) <= 1e-5 * abs(by["step", "untiled"]["loss"])
 
 
 def test_bench_decode_smoke(tmp_path):

@@ -291,3 +291,28 @@ def test_inductor_compiled_tiled_block_matches_eager_tiled(block, form):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         else:
             assert rel_err(got, want) <= 2 * rel_err(untiled_c, untiled_e) + 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# QLoRA: 4-bit base weights (bitsandbytes) in the fast GLU form, on the GPU
+
+
+@pytest.mark.parametrize("input_dtype", ["bf16", "float32"])
+def test_qlora_mlp_bf16_within_untiled_error_on_gpu(input_dtype):
+    """nf4 double-quantized projections, bf16 compute, LoRA on each, 8192 tokens in 4 shards; the input in bf16 or
+    float32 (prepare_model_for_kbit_training): as close to a float64 run of the dequantized weights as untiled
+    (bitsandbytes dequantizes and runs cuBLAS past 1536 rows, a fused kernel below)."""
+    from test_quant import float64_twin, qmlp, signal
+
+    ref = qmlp(lora=True, hidden=1024, inter=2816, double=True, compute=torch.bfloat16, device="cuda")
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=4)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "glu" and "4-bit nf4 (double-quantized)" in info.computes, info
+    dtype = torch.bfloat16 if input_dtype == "bf16" else torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, g = (torch.randn(1, 8192, 1024, device="cuda", generator=gen) for _ in range(2))
+    want = signal(float64_twin(ref), x.double(), g.double())
+    untiled, got = signal(ref, x.to(dtype), g.to(dtype)), signal(tiled, x.to(dtype), g.to(dtype))
+    for key, value in want.items():
+        e_untiled, e_tiled = rel_err(untiled[key], value), rel_err(got[key], value)
+        assert e_tiled <= 1.25 * e_untiled + 1e-7, (key, e_tiled, e_untiled)
