@@ -20,9 +20,19 @@ ranks), and exits with status 1 when it exceeds ``--tol``.
 
 ``--wrap``: ``none`` (one process, or independent processes), ``ddp`` (DistributedDataParallel),
 ``fsdp2`` (``fully_shard`` per decoder layer and the root), ``fsdp1`` (``FullyShardedDataParallel``
-per decoder layer; ``--use-orig-params`` for original parameters). ``--dtype bfloat16`` trains in
-mixed precision: fp32 parameters, bf16 compute (autocast for none/ddp, the wrapper's mixed-precision
-policy with fp32 gradient reduction for FSDP).
+per decoder layer; ``--use-orig-params`` for original parameters), ``zero3`` (a DeepSpeed ZeRO-3 engine).
+``--dtype bfloat16`` trains in mixed precision: fp32 parameters, bf16 compute (autocast for none/ddp, the
+wrapper's mixed-precision policy with fp32 gradient reduction for FSDP, the engine's bf16 for ZeRO-3).
+
+``--sp N`` splits every sequence across N ranks (``docs/sequence-parallel.md``): DeepSpeed's Ulysses attention
+over sdpa, each rank feeding its part of the tokens with their global positions and labels shifted before the
+split, the loss of the whole sequence from ``tiledmlp.sequence_loss``; ranks ``k * N .. k * N + N - 1`` share a
+sequence::
+
+    # 2 GPUs, one 256K-token sequence split in two, ZeRO-3 over both
+    python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py --wrap zero3 --sp 2 \
+        --hidden 4096 --intermediate 14336 --layers 4 --heads 32 --kv-heads 8 --vocab 128256 \
+        --seq-len 262144 --batch-size 1 --tile-tokens auto --dtype bfloat16 --grad-ckpt --steps 4
 """
 
 from __future__ import annotations
@@ -77,7 +87,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     run.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
     run.add_argument("--seed", type=int, default=0)
     dp = p.add_argument_group("data parallelism and tiling")
-    dp.add_argument("--wrap", choices=("none", "ddp", "fsdp2", "fsdp1"), default="none")
+    dp.add_argument("--wrap", choices=("none", "ddp", "fsdp2", "fsdp1", "zero3"), default="none")
+    dp.add_argument("--sp", type=int, default=1,
+                    help="sequence parallelism: each sequence split across this many ranks by DeepSpeed's Ulysses "
+                         "(its all-to-all around sdpa), the loss tiledmlp.sequence_loss; with --wrap ddp, fsdp2 or "
+                         "zero3 over all ranks")
     dp.add_argument("--use-orig-params", action="store_true", help="FSDP1 with original parameters")
     dp.add_argument("--tiling", choices=("auto", "off"), default="auto",
                     help="auto: enable_tiling(strategy='auto') after wrapping; off: untiled")
@@ -108,10 +122,21 @@ class Dist:
     rank: int
     world: int
     device: torch.device
+    sp: int = 1  # ranks per sequence (--sp)
+    sp_mpu: object = None  # DeepSpeed's sequence-parallel groups (Ulysses), with --sp
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp
+
+    @property
+    def sequence(self) -> int:
+        """Which sequence of the step this rank holds a part of (the data-parallel rank)."""
+        return self.rank // self.sp
 
 
 def init_distributed() -> Dist:
@@ -160,7 +185,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=max(args.seq_len, 128),
-        tie_word_embeddings=False,
+        tie_word_embeddings=False, attn_implementation="sdpa" if args.sp > 1 else None, use_cache=False,
     )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config)
@@ -180,6 +205,15 @@ def wrap(model: nn.Module, args: argparse.Namespace, env: Dist) -> nn.Module:
     bf16 = args.dtype == "bfloat16"
     if args.wrap == "none":
         return model
+    if args.wrap == "zero3":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_clipping": 0.0,
+                  "zero_optimization": {"stage": 3}, "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
+                  **({"sequence_parallel_size": args.sp} if args.sp > 1 else {})}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr),
+                                          config=config, mpu=env.sp_mpu)
+        return engine
     if args.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -205,9 +239,21 @@ def wrap(model: nn.Module, args: argparse.Namespace, env: Dist) -> nn.Module:
 
 
 def batches(args: argparse.Namespace, env: Dist) -> list[torch.Tensor]:
-    """One ``[batch, seq_len]`` token tensor per step, different on every rank."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + env.rank + 1)
+    """One ``[batch, seq_len]`` token tensor per step, different for every sequence (every rank without --sp)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + env.sequence + 1)
     return [torch.randint(args.vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(args.steps)]
+
+
+def step_loss(model: nn.Module, tokens: torch.Tensor, args: argparse.Namespace, env: Dist) -> torch.Tensor:
+    """The step's loss: the model's own, or with --sp the whole sequence's from this rank's part of it."""
+    if args.sp == 1:
+        return model(input_ids=tokens, labels=tokens).loss
+    part = args.seq_len // args.sp
+    cut = slice(env.sp_rank * part, (env.sp_rank + 1) * part)
+    shift = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:]  # shifted before the split
+    positions = torch.arange(args.seq_len, device=tokens.device).expand_as(tokens)
+    return tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), env.sp_mpu.get_sequence_parallel_group(),
+                                  input_ids=tokens[:, cut].contiguous(), position_ids=positions[:, cut].contiguous())
 
 
 def compute_context(args: argparse.Namespace, env: Dist) -> Callable[[], ContextManager]:
@@ -278,7 +324,7 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
             heads = [name for name in strategies if name.endswith("lm_head")]
             print(f"[{label}] tiled {len(strategies) - len(heads)} MLPs{' and the LM head + loss' if heads else ''}, "
                   f"strategies {sorted(set(strategies.values()))}, {_shards_described(args)}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = None if args.wrap == "zero3" else torch.optim.AdamW(model.parameters(), lr=args.lr)
     autocast = compute_context(args, env)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -289,27 +335,43 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
         start = time.perf_counter()
         count = counting_saved_bytes(model, saved) if step == 0 else contextlib.nullcontext()
         with autocast(), count:
-            loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            loss = step_loss(model, tokens, args, env)
+        if args.wrap == "zero3":  # the engine owns backward and the optimizer
+            model.backward(loss)
+            model.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
         _sync(env)
         seconds = time.perf_counter() - start
-        rates.append(tokens.numel() * env.world / seconds)
+        rates.append(tokens.numel() * env.world / env.sp / seconds)
         peak, kind = peak_memory_mib(env)
         if env.main:
             print(f"[{label}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
                   f"{rates[-1]:,.0f} tokens/s  peak {kind} {peak:,.0f} MiB", flush=True)
-    params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
-              for n, p in model.named_parameters()}
+    params = _local_params(model, args)
     # The first step carries one-time costs (allocator warm-up, FSDP lazy init).
     steady = rates[1:] or rates
     return Result(params, sum(steady) / len(steady), peak_memory_mib(env)[0], loss_value, saved[0] / 2**20)
 
 
+def _local_params(model: nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """This rank's parameters (its shards under FSDP; whole, gathered, under ZeRO-3), as float32 CPU copies."""
+    if args.wrap == "zero3":
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(list(model.module.parameters())):
+            params = {n: p.detach().float().cpu().clone() for n, p in model.module.named_parameters()}
+        model.destroy()
+        return params
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
+            for n, p in model.named_parameters()}
+
+
 def _shards_described(args: argparse.Namespace) -> str:
-    tokens = args.batch_size * args.seq_len
+    tokens = args.batch_size * args.seq_len // args.sp  # a rank's part
     if args.num_shards is not None:
         mlp = f"{args.num_shards} shards per MLP call of {tokens} tokens"
     elif args.tile_tokens is not None:
@@ -347,12 +409,35 @@ def summarize(label: str, result: Result, env: Dist) -> None:
               f"{result.saved_mib:,.2f} MiB", flush=True)
 
 
+def with_sequence_parallel(env: Dist, args: argparse.Namespace) -> Dist:
+    """--sp: DeepSpeed's Ulysses over groups of ``args.sp`` consecutive ranks (its attention registered with
+    transformers in place of sdpa); ValueError naming the fix for what it cannot split."""
+    if args.sp == 1:
+        return env
+    if not dist.is_initialized() or env.world % args.sp:
+        raise SystemExit(f"--sp {args.sp} needs a world of a multiple of {args.sp} processes under torchrun, got "
+                         f"{env.world}")
+    if args.seq_len % args.sp or args.heads % args.sp:
+        raise SystemExit(f"--sp {args.sp} splits the sequence and the attention heads: --seq-len ({args.seq_len}) "
+                         f"and --heads ({args.heads}) must be multiples of it")
+    if args.wrap == "fsdp1":
+        raise SystemExit("--sp goes with --wrap none, ddp, fsdp2 or zero3")
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    mpu = UlyssesSPAttentionHF.register_with_transformers(build_model(args), "sdpa", args.sp,
+                                                          micro_batch_size=args.batch_size)
+    return Dist(env.rank, env.world, env.device, args.sp, mpu)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     env = init_distributed()
     if args.wrap != "none" and not dist.is_initialized():
         raise SystemExit(f"--wrap {args.wrap} needs a process group: run under torchrun, e.g. python -m "
                          "torch.distributed.run --standalone --nproc-per-node 2 launch/train.py ...")
+    env = with_sequence_parallel(env, args)
     if env.main:
         print(f"world {env.world} on {env.device.type} ({'nccl' if env.device.type == 'cuda' else 'gloo'}), "
               f"wrap {args.wrap}, dtype {args.dtype}, seq-len {args.seq_len}, batch {args.batch_size}/rank, "

@@ -9,6 +9,8 @@ Public API:
 * :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
 * :func:`tiled_linear_cross_entropy` — the tiled LM head + cross-entropy, for custom training loops
   (``enable_tiling(model, loss=True)`` tiles Hugging Face causal LMs' loss).
+* :func:`sequence_loss` — the same for a sequence split across ranks (sequence parallelism): the whole
+  sequence's loss from this rank's part.
 * :func:`checkpoint` — non-reentrant activation checkpointing whose layer inputs wait in host memory
   (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
@@ -25,6 +27,7 @@ from torch import nn
 from .accumulate import check_accum_dtype
 from .describe import Description, TileInfo, describe, log_summary
 from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
+from .distributed.sequence_parallel import sequence_loss
 from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
 from .distributed.tensor_parallel import has_tp_hooks
 from .loss import tiled_linear_cross_entropy
@@ -43,6 +46,7 @@ __all__ = [
     "TileInfo",
     "apply_tiled_mlp",
     "tiled_linear_cross_entropy",
+    "sequence_loss",
     "checkpoint",
     "offloaded_layers",
     "register_mlp",

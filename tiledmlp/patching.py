@@ -40,6 +40,7 @@ from torch.profiler import record_function
 from .distributed.deepspeed import check_deepspeed_module, is_zero_managed
 from .distributed.detect import (Wrapping, detect_wrapping, fsdp2_units_below, is_dtensor, is_fsdp1_wrapper,
                                  module_path)
+from .distributed.sequence_parallel import split_of
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .distributed.tensor_parallel import TPPlan, tp_plan
 from .forms import Slot
@@ -740,18 +741,21 @@ def uninstall(model: nn.Module) -> None:
 
 def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState, str]]:
     """``(qualified name, module, tiling state, strategy name)`` of every tiled module, resolving ``auto``
-    against the model given (it may be the wrapper). A causal LM whose head was replaced since is followed first
-    (as its next call would)."""
+    against the model given (it may be the wrapper), the strategy named with the model's sequence split if any
+    (``ddp+sp``, ``fsdp2+cp``: ``distributed.sequence_parallel``). A causal LM whose head was replaced since is
+    followed first (as its next call would)."""
     for module in list(model.modules()):
         owner = module.__dict__.get(OWNER_ATTR)
         if owner is not None and owner.on_new_head is not None and module.get_output_embeddings() is not owner.head:
             owner.on_new_head(module)
+    split = split_of(model)
+    suffix = f"+{split.kind}" if split is not None else ""
     for name, module in model.named_modules():
         state = module.__dict__.get(STATE_ATTR)
         if state is None:
             continue
         strategy = state.forced if state.forced is not None else state.detected(module_path(model, module))
-        yield name, module, state, strategy.name
+        yield name, module, state, strategy.name + suffix
 
 
 def tiled_names(model: nn.Module) -> dict[str, str]:

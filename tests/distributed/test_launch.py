@@ -56,3 +56,22 @@ def test_compare_fails_above_tolerance() -> None:
     proc = run_train("--wrap", "fsdp1", "--compare", "--tol", "0")
     assert proc.returncode != 0, proc.stdout
     assert re.search(r"^compare: max relative parameter difference .* -> FAIL", _check_log(proc), re.M), proc.stdout
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "zero3"])
+def test_sequence_parallel_compare_passes(wrap: str) -> None:
+    """``--sp 2``: every sequence split across the 2 ranks by DeepSpeed's Ulysses, the loss
+    ``tiledmlp.sequence_loss``; untiled and tiled train alike under DDP, FSDP2 and a ZeRO-3 engine."""
+    pytest.importorskip("deepspeed", reason="Ulysses is DeepSpeed's: pip install -e '.[test,deepspeed]'")
+    proc = run_train("--wrap", wrap, "--sp", "2", "--compare", "--loss-scratch-mib", "0.05")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
+    out = _check_log(proc)
+    expected = {"ddp": "ddp", "fsdp2": "fsdp2", "zero3": "deepspeed"}[wrap]
+    assert re.search(rf"^\[tiled\] tiled 2 MLPs and the LM head \+ loss, strategies \['{expected}\+sp'\], \d+ shards "
+                     r"of <= \d+ tokens per MLP call of 256;", out, re.M), out
+    assert re.search(r"^compare: max relative parameter difference .* -> OK", out, re.M), out
+
+
+def test_sequence_parallel_refuses_what_it_cannot_split() -> None:
+    proc = run_train("--wrap", "ddp", "--sp", "2", "--heads", "3", "--hidden", "96")
+    assert proc.returncode != 0 and "--heads (3) must be multiples of it" in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,206 @@
+"""One sequence split across GPUs: peak memory per GPU and step time of a Llama-shaped model under DeepSpeed's Ulysses,
+per variant and sequence length, side by side in one torchrun launch.
+
+Every rank holds ``T / world`` tokens of one sequence (Ulysses' all-to-all around sdpa; global positions; labels
+shifted before the split), checkpointed layers, no optimizer (the same for every variant: a forward and backward).
+Variants:
+
+* ``untiled``      the model as is; its loss is the whole sequence's, ``tiledmlp.sequence_loss``.
+* ``alst``         the Arctic Long Sequence Training stack as its recipes apply it: DeepSpeed's ``TiledMLP`` on every
+                   MLP and its ``TiledFusedLogitsLoss`` for the head (summed, divided by the whole sequence's valid
+                   labels afterwards, as the recipes do).
+* ``tiled``        ``tiledmlp.enable_tiling(model)`` (MLPs and loss), the loss ``tiledmlp.sequence_loss``.
+* ``tiled+offload+norms``  the same with ``norms=True, offload="cpu"``.
+
+Each variant's head and first-MLP gradients, summed over the ranks (the whole sequence's), are compared with the
+untiled run's (``grad_rel``, the largest relative difference): the ALST stack's head gradient comes out multiplied
+by the rank's valid-label count (its loss computes the parameters' gradients in forward with an incoming gradient
+of 1 and rescales only the input's), which the column shows. (The head is untied, so its gradient is its own.)
+
+    torchrun --nproc-per-node 2 benchmarks/bench_sp.py --model 8b --seq-lens 262144,524288 --layers 32
+    torchrun --nproc-per-node 2 benchmarks/bench_sp.py --smoke      # tiny model on CPU processes (gloo)
+
+Peak memory is ``torch.cuda.max_memory_allocated`` of each rank (the largest reported). With offload the peak
+does not grow with the number of layers beyond their weights: a run with fewer layers at length T gives the full
+model's peak at T plus the other layers' weights. Rank 0 writes ``benchmarks/results/bench_sp_<gpu>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared machines
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import tiledmlp  # noqa: E402
+from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
+from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
+from bench_mlp import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+
+VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms")
+COLUMNS = ("variant", "T", "world", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
+           "transformers", "deepspeed", "tiledmlp", "date")
+
+
+def alst_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, shift: torch.Tensor,
+              group: Any) -> torch.Tensor:
+    """ArcticTraining's loss: ``TiledFusedLogitsLoss`` on the rank's hidden states (summed), over the whole
+    sequence's valid labels."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    head = model.lm_head
+
+    def loss_fn(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(module(x).float().view(-1, module.out_features), y.view(-1), reduction="sum")
+
+    shards = max(1, math.ceil(hidden.shape[1] * head.out_features * 4 / 2**30))  # ~1 GiB of float32 logits each
+    total = TiledFusedLogitsLoss.apply(loss_fn, head, hidden, shift, None, shards, [head.weight], "sum")
+    valid = (shift != -100).sum().float()
+    dist.all_reduce(valid, group=group)
+    return total / valid.clamp_min(1)
+
+
+def configure(model: nn.Module, variant: str) -> None:
+    tiledmlp.disable_tiling(model)
+    for m in model.modules():
+        m.__dict__.pop("forward", None)  # the alst variant's instance forwards
+    if variant == "alst":
+        use_deepspeed_tiled_mlp(model)
+    elif variant.startswith("tiled"):
+        extra = dict(norms=True, offload="cpu") if "offload" in variant else {}
+        tiledmlp.enable_tiling(model, **extra)
+
+
+def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device) -> dict[str, Any]:
+    """One step (forward + backward) on this rank's part of a ``tokens``-long sequence."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    part = tokens // world
+    cut = slice(rank * part, (rank + 1) * part)
+    ids = torch.randint(model.config.vocab_size, (1, tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(tokens))
+    shift = F.pad(ids, (0, 1), value=-100)[:, 1:]
+    positions = torch.arange(tokens, device=device)[None]
+    inputs = dict(input_ids=ids[:, cut], position_ids=positions[:, cut])
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    if variant == "alst":
+        loss = alst_loss(model, **inputs, shift=shift[:, cut], group=group)
+    else:
+        # No wrapper reduces the gradients here: each rank's are its share (summed below for the comparison).
+        loss = tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), group, grads_averaged_over=1, **inputs)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - begin
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    stats = torch.tensor([seconds, peak if peak == peak else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    value = loss.detach().clone()
+    if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
+        dist.all_reduce(value, group=group)
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+             if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n)}
+    for g in grads.values():  # the whole sequence's gradient: the ranks' shares summed
+        dist.all_reduce(g, group=group)
+    return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
+            "loss": value.item(), "grads": grads}
+
+
+def grad_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((got[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in ref.items()) if ref else math.nan
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seq-lens", default=None, help="comma-separated (default 262144,524288)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="8b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
+    args = parser.parse_args(argv)
+    args.seq_lens = [int(t) for t in (args.seq_lens or ("256" if args.smoke else "262144,524288")).split(",")]
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    size = {**(SMOKE if args.smoke else MODELS[args.model]), "tied": False}  # the head's gradient on its own
+    if args.layers:
+        size["layers"] = args.layers
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(size, max(args.seq_lens), device, dtype)
+    model.config.use_cache = False
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, micro_batch_size=1)
+    group = mpu.get_sequence_parallel_group()
+    rows, reference = [], {}
+    for tokens in args.seq_lens:
+        for variant in args.variants:
+            configure(model, variant)
+            try:
+                result = measure(model, variant, tokens, group, device)
+            except torch.OutOfMemoryError:
+                result = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grads": {}}
+            grads = result.pop("grads")
+            if variant == "untiled":
+                reference[tokens] = grads
+            result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
+            rows.append({"variant": variant, "T": tokens, "world": world, "layers": size["layers"], **result})
+            if dist.get_rank() == 0:
+                print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(result['peak_gib'])} step_s={fmt(result['step_s'])}"
+                      f" grad_rel={fmt(result['grad_rel'])}", flush=True)
+    if dist.get_rank() == 0:
+        meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
+                **{key: package_version(key) for key in ("transformers", "deepspeed", "tiledmlp")},
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        rows = [{**meta, **row} for row in rows]
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"bench_sp_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+        write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
+        print_rows(rows, ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"))
+        print(f"wrote {args.out / stem}.csv")
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

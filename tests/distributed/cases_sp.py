@@ -1,0 +1,311 @@
+"""Sequence parallelism cases, run by ``worker.py``: one sequence split across every rank by DeepSpeed's Ulysses
+(``UlyssesSPAttentionHF`` registered with transformers: an all-to-all around sdpa; gloo has ``all_to_all``, so it
+runs on CPU processes), without an engine and under DeepSpeed ZeRO 1/2/3 engines with ``sequence_parallel_size``
+set, against one process training on the whole sequences untiled (eager attention, no split: the reference).
+
+Every case trains a tiny Llama three steps (SGD, two micro-batches per step: gradient accumulation) on sequences
+whose prompt is masked (-100) over 60% of the tokens, so the first rank (first two at 4 ranks) holds no valid label
+— the case the anchors get wrong. A rank computes its part's loss from labels shifted before the split
+(``shift_labels``) in one of two ways:
+
+* ``trainer``: the model's loss (tiled per rank) gathered and weighted by valid labels, as the ``Trainer``'s
+  ``deepspeed_sp_compute_loss`` does (differentiable all-gather);
+* ``sequence_loss``: ``tiledmlp.sequence_loss(model, shift_labels, group, ...)``, the model called through its
+  engine.
+
+Metrics: each run's parameters against the reference after training (``*_rel``), the tiled run against the
+untiled one under the same split and loss (``tiled_vs_untiled``), the strategies ``tiled_modules`` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tiledmlp
+from common import Env, registry
+
+CASES, case = registry()
+VOCAB, T, STEPS, MICRO, LR = 96, 48, 3, 2, 0.1
+PROMPT = 0.6  # share of each sequence's first tokens whose labels are masked
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``[step][micro-batch] -> (input_ids, labels)`` of whole sequences, the same on every rank."""
+    out = []
+    for step in range(STEPS):
+        micro = []
+        for i in range(MICRO):
+            ids = torch.randint(VOCAB, (1, T), generator=torch.Generator().manual_seed(100 * step + i))
+            labels = ids.clone()
+            labels[:, :int(PROMPT * T)] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
+def reference() -> nn.Module:
+    """One process, the whole sequences, untiled, eager attention (not the one Ulysses replaces)."""
+    model = llama()
+    model.config._attn_implementation = "eager"
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for micro in batches():
+        for ids, labels in micro:
+            (model(input_ids=ids, labels=labels).loss / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@contextlib.contextmanager
+def ulysses(env: Env) -> Iterator[Any]:
+    """DeepSpeed's Ulysses over every rank (its mpu), undone on exit: sdpa restored, its groups released."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        yield UlyssesSPAttentionHF.register_with_transformers(llama(), "sdpa", env.world, micro_batch_size=1)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        parallel_state_sp._release_sequence_parallel_groups()
+        gc.collect()
+
+
+def _part(env: Env, t: torch.Tensor) -> torch.Tensor:
+    size = t.shape[1] // env.world
+    return t[:, env.rank * size:(env.rank + 1) * size]
+
+
+def _local_loss(model: nn.Module, env: Env, group: Any, ids: torch.Tensor, labels: torch.Tensor,
+                how: str) -> torch.Tensor:
+    """This rank's loss of the whole sequence (see the module docstring for ``how``)."""
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]  # shifted before the split
+    positions = torch.arange(T)[None]
+    part = dict(input_ids=_part(env, ids), position_ids=_part(env, positions))
+    local = _part(env, shift)
+    if how == "sequence_loss":
+        return tiledmlp.sequence_loss(model, local, group, **part)
+    loss = model(**part, labels=local, shift_labels=local).loss
+    good = (local != -100).sum()
+    losses = torch.stack(torch.distributed.nn.functional.all_gather(loss, group=group))
+    goods = torch.stack(torch.distributed.nn.functional.all_gather(good, group=group))
+    return (torch.where(goods > 0, losses, torch.zeros_like(losses)) * goods).sum() / goods.sum().clamp(min=1)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)) for n, w in want.items())
+
+
+def train_without_engine(env: Env, group: Any, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """The split run with no engine: gradients averaged over the group by hand (what DDP over it does)."""
+    model = llama()
+    if tiled:
+        tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for micro in batches():
+        for ids, labels in micro:
+            (_local_loss(model, env, group, ids, labels, how) / MICRO).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= env.world
+        opt.step()
+        opt.zero_grad()
+    return _params(model), tiledmlp.tiled_modules(model)
+
+
+def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """The split run under a DeepSpeed ZeRO engine with ``sequence_parallel_size`` = the world (no clipping)."""
+    import deepspeed
+    from deepspeed.runtime.zero import GatheredParameters
+
+    model = llama()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICRO, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "sequence_parallel_size": env.world}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=config, mpu=mpu)
+    if tiled:
+        tiledmlp.enable_tiling(engine, tile_tokens=8, loss_scratch_mib=0.01)
+    group = mpu.get_sequence_parallel_group()
+    for micro in batches():
+        for ids, labels in micro:
+            engine.backward(_local_loss(engine, env, group, ids, labels, how))
+            engine.step()
+    strategies = tiledmlp.tiled_modules(engine)
+    with GatheredParameters(list(engine.module.parameters())):
+        params = _params(engine.module)
+    engine.destroy()
+    return params, strategies
+
+
+def _metrics(runs: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> dict[str, Any]:
+    want = _params(reference())
+    metrics: dict[str, Any] = {f"{name}_rel": _rel(params, want) for name, (params, _) in runs.items()}
+    for name, (params, strategies) in runs.items():
+        if name.startswith("tiled"):
+            metrics[f"{name}_strategies"] = sorted(set(strategies.values()))
+            twin = "untiled" + name.removeprefix("tiled")
+            if twin in runs:
+                metrics[f"{name}_vs_untiled"] = _rel(params, runs[twin][0])
+    return metrics
+
+
+@case
+def ulysses_no_engine(env: Env) -> dict[str, Any]:
+    with ulysses(env) as mpu:
+        group = mpu.get_sequence_parallel_group()
+        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled)
+                for how in ("trainer", "sequence_loss") for tiled in (False, True)}
+    return _metrics(runs)
+
+
+def _zero(env: Env, stage: int) -> dict[str, Any]:
+    with ulysses(env) as mpu:
+        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_with_engine(env, mpu, stage, how, tiled)
+                for how in ("trainer", "sequence_loss") for tiled in (False, True)}
+    return _metrics(runs)
+
+
+@case
+def ulysses_zero1(env: Env) -> dict[str, Any]:
+    return _zero(env, 1)
+
+
+@case
+def ulysses_zero2(env: Env) -> dict[str, Any]:
+    return _zero(env, 2)
+
+
+@case
+def ulysses_zero3(env: Env) -> dict[str, Any]:
+    return _zero(env, 3)
+
+
+def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor], dict]:
+    """Two Trainer steps with accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=world): its
+    UlyssesSPDataLoaderAdapter splits each sequence and shifts the labels, its deepspeed_sp_compute_loss weighs the
+    ranks' losses; ZeRO-3 (the stage whose reduction averages over the split), no clipping, SGD."""
+    import tempfile
+
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.zero import GatheredParameters
+    from transformers import Trainer, TrainingArguments
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = llama()
+    if tiled:
+        tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
+    data = [{"input_ids": ids, "labels": labels, "position_ids": torch.arange(T)}
+            for micro in batches() for ids, labels in ((i[0], l[0]) for i, l in micro)]
+    parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=env.world,
+                                    sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=1, report_to=[],
+                             use_cpu=True, deepspeed=ds, parallelism_config=parallelism, learning_rate=LR, optim="sgd",
+                             max_grad_norm=0.0, save_strategy="no", logging_strategy="no", seed=0)
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        loss = trainer.train().training_loss
+        strategies = tiledmlp.tiled_modules(trainer.model_wrapped) if tiled else {}
+        with GatheredParameters(list(trainer.model_wrapped.module.parameters())):
+            params = _params(trainer.model_wrapped.module)
+        trainer.model_wrapped.destroy()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        parallel_state_sp._release_sequence_parallel_groups()
+        AcceleratorState._reset_state(reset_partial_state=False)
+        del PartialState
+        gc.collect()
+    return loss, params, strategies
+
+
+@case
+def trainer_ulysses_zero3(env: Env) -> dict[str, Any]:
+    """The Trainer with accelerate's Ulysses: tiled trains as untiled (loss and parameters)."""
+    untiled_loss, untiled, _ = _trainer_run(env, tiled=False)
+    tiled_loss, params, strategies = _trainer_run(env, tiled=True)
+    return {"losses": [untiled_loss, tiled_loss], "tiled_vs_untiled": _rel(params, untiled),
+            "strategies": sorted(set(strategies.values())), "moved": _rel(untiled, _params(llama()))}
+
+
+@case
+def cp_mesh_is_named(env: Env) -> dict[str, Any]:
+    """FSDP2 over a ``dp_shard x cp`` mesh flattened (torchtitan's and accelerate's context-parallel layout): the
+    strategy names the split, and unshifted labels are refused. (torch's ring attention itself needs a GPU.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world // 2, 2), mesh_dim_names=("dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    model = llama()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=flat)
+    fully_shard(model, mesh=flat)
+    tiledmlp.enable_tiling(model)
+    strategies = sorted(set(tiledmlp.tiled_modules(model).values()))
+    try:
+        ids = torch.randint(VOCAB, (1, T // 2))
+        model(input_ids=ids, labels=ids)
+        refused = False
+    except ValueError as exc:
+        refused = "context parallelism" in str(exc) and "shift_labels" in str(exc)
+    return {"strategies": strategies, "refused": refused}
+
+
+@case
+def sequence_loss_bad_input(env: Env) -> dict[str, Any]:
+    """What sequence_loss refuses, each with the fix named."""
+    model = llama()
+    ids = torch.randint(VOCAB, (1, 8))
+    said = {}
+    for name, call in {"labels": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, labels=ids),
+                       "scale": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, grads_averaged_over=0)}.items():
+        try:
+            call()
+            said[name] = ""
+        except ValueError as exc:
+            said[name] = str(exc)
+    return said
+
+
+@case
+def ulysses_unshifted_labels_refused(env: Env) -> dict[str, Any]:
+    """Labels (not shift_labels) given to a rank's part: refused, naming the fix, before anything is computed."""
+    with ulysses(env):
+        model = tiledmlp.enable_tiling(llama())
+        ids = torch.randint(VOCAB, (1, T))
+        try:
+            model(input_ids=_part(env, ids), position_ids=_part(env, torch.arange(T)[None]), labels=_part(env, ids))
+        except ValueError as exc:
+            return {"refused": "shift_labels" in str(exc) and "Ulysses" in str(exc), "message": str(exc)[:200]}
+    return {"refused": False}
