@@ -38,7 +38,6 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import tiledmlp  # noqa: E402
 from bench_longctx import MODEL_NAMES, MODELS, SMOKE, VARIANTS, build_model, configure, loss_of, sync  # noqa: E402
 from bench_mlp import bench_device, fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
 

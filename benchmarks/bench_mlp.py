@@ -72,7 +72,8 @@ FIXED_COLUMNS = (
 )
 VERSION_DISTRIBUTIONS = {
     "torch": "torch", "triton": "triton", "transformers": "transformers", "liger": "liger-kernel",
-    "deepspeed": "deepspeed", "tiledmlp": "tiledmlp", "cce": "cut-cross-entropy",
+    "deepspeed": "deepspeed", "tiledmlp": "tiledmlp", "cce": "cut-cross-entropy", "bitsandbytes": "bitsandbytes",
+    "peft": "peft",
 }
 VERSION_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
@@ -729,6 +730,21 @@ def write_csv_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, .
         writer.writeheader()
         writer.writerows({key: fmt(value) if isinstance(value, float) else value for key, value in row.items()}
                          for row in rows)
+
+
+def save_results(name: str, rows: list[dict[str, Any]], device: torch.device, args: argparse.Namespace,
+                 columns: tuple[str, ...], printed: tuple[str, ...], packages: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows with the device, versions of ``packages`` and date, written to ``args.out/<name>_<gpu>[_tag][_smoke].csv``
+    and printed (``printed`` columns); returns them."""
+    meta = {"gpu_name": gpu_name(device), "torch": torch.__version__, **{key: package_version(key) for key in packages},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rows = [{**meta, **row} for row in rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    write_csv_rows(args.out / f"{stem}.csv", rows, columns)
+    print_rows(rows, printed)
+    print(f"wrote {args.out / stem}.csv")
+    return rows
 
 
 def write_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:

@@ -22,7 +22,6 @@ The model is built in code (random weights, quantized on the device); nothing is
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import sys
 import time
@@ -39,8 +38,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
-from bench_mlp import (bench_device, fmt, gpu_name, gpu_slug, median_ms, package_version, print_rows,  # noqa: E402
-                       run_or_status, write_csv_rows)
+from bench_mlp import bench_device, fmt, gpu_name, median_ms, run_or_status, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMNS = ("kind", "variant", "T", "layers", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss", "gpu_name",
@@ -91,43 +89,42 @@ def qlora_mlp(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -
     return mlp.to(device)
 
 
+def time_mlp(mlp: nn.Module, tokens: int, reps: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Median forward + backward time of ``mlp`` on ``tokens`` tokens, and its peak above the inputs."""
+    x = torch.randn(1, tokens, mlp.gate_proj.in_features, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def step() -> None:
+        mlp(x).backward(g)
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+
+    step()
+    free(mlp, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    ms = median_ms(step, device.type == "cuda", reps, 1)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else math.nan
+    return {"time_s": ms / 1e3, "peak_gib": peak}
+
+
 def mlp_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """The 4-bit MLP, untiled and tiled, forward + backward at each length."""
     rows = []
     for tokens in args.mlp_seq_lens:
-        times = {}
         for variant in ("untiled", "tiled"):
             mlp = qlora_mlp(SMOKE_MLP if args.smoke else MLP_SHAPE, device, dtype)
             if variant == "tiled":
                 tiledmlp.enable_tiling(mlp)
-            x = torch.randn(1, tokens, mlp.gate_proj.in_features, device=device, dtype=dtype, requires_grad=True)
-            g = torch.randn_like(x)
-
-            def step() -> None:
-                mlp(x).backward(g)
-                x.grad = None
-                mlp.zero_grad(set_to_none=True)
-
-            def measure() -> dict[str, Any]:
-                step()
-                free(mlp, device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                ms = median_ms(step, device.type == "cuda", args.reps, 1)
-                peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else math.nan
-                return {"time_s": ms / 1e3, "peak_gib": peak}
-
             forms = "+".join(i.form for i in tiledmlp.describe(mlp).values())
-            row = {"kind": "mlp", "variant": variant, "T": tokens, "layers": 1, "forms": forms,
-                   **run_or_status(measure, lambda: free(mlp, device), ("time_s", "peak_gib"))}
-            times[variant] = row["time_s"]
-            rows.append(row)
-            del mlp, x, g
+            rows.append({"kind": "mlp", "variant": variant, "T": tokens, "layers": 1, "forms": forms,
+                         **run_or_status(lambda: time_mlp(mlp, tokens, args.reps, device, dtype),
+                                         lambda: free(mlp, device), ("time_s", "peak_gib"))})
             free(nn.Module(), device)
-        for row in rows[-2:]:
-            if all(isinstance(t, float) for t in times.values()):
-                row["ratio_vs_untiled"] = row["time_s"] / times["untiled"]
+        untiled, tiled = rows[-2:]
+        if all(isinstance(r["time_s"], float) for r in (untiled, tiled)):
+            untiled["ratio_vs_untiled"], tiled["ratio_vs_untiled"] = 1.0, tiled["time_s"] / untiled["time_s"]
     return rows
 
 
@@ -141,6 +138,21 @@ def qlora_model(args, device: torch.device, dtype: torch.dtype, tokens: int) -> 
     return with_lora(model)
 
 
+def time_step(model: nn.Module, ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """One training step (forward + backward): its time, the peak, the loss."""
+    free(model, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    begin = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    sync(device)
+    seconds = time.perf_counter() - begin
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    return {"time_s": seconds, "peak_gib": peak, "loss": loss.item()}
+
+
 def step_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """One training step of the QLoRA model per variant and length (a fresh model per length)."""
     rows = []
@@ -152,28 +164,14 @@ def step_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, 
             tiledmlp.disable_tiling(model)
             if variant == "tiled":
                 tiledmlp.enable_tiling(model, norms=True, offload="cpu")
-
-            def measure() -> dict[str, Any]:
-                free(model, device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                sync(device)
-                begin = time.perf_counter()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                sync(device)
-                seconds = time.perf_counter() - begin
-                peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-                return {"time_s": seconds, "peak_gib": peak, "loss": loss.item()}
-
             forms = sorted({i.form for i in tiledmlp.describe(model).values()})
             row = {"kind": "step", "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
-                   "forms": "+".join(forms), **run_or_status(measure, lambda: free(model, device),
+                   "forms": "+".join(forms), **run_or_status(lambda: time_step(model, ids, device),
+                                                              lambda: free(model, device),
                                                               ("time_s", "peak_gib", "loss"))}
             rows.append(row)
             print(f"  step T={tokens:>7} {variant:<8} peak_gib={fmt(row['peak_gib'])} time_s={fmt(row['time_s'])}",
                   flush=True)
-        del model
         free(nn.Module(), device)
     return rows
 
@@ -206,26 +204,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     device, dtype = bench_device(args.smoke)
     print(f"{gpu_name(device)}: QLoRA (nf4, double-quantized, LoRA r=16), {dtype}", flush=True)
     rows = mlp_rows(args, device, dtype) + step_rows(args, device, dtype)
-    meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
-            **{key: package_version(key) for key in ("transformers", "tiledmlp")},
-            "bitsandbytes": _version("bitsandbytes"), "peft": _version("peft"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    rows = [{**meta, **row} for row in rows]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_qlora_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-    write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
-    print_rows(rows, ("kind", "variant", "T", "layers", "peak_gib", "time_s", "ratio_vs_untiled"))
-    print(f"wrote {args.out / stem}.csv")
-    return rows
-
-
-def _version(name: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "n/a"
+    return save_results("bench_qlora", rows, device, args, COLUMNS,
+                        ("kind", "variant", "T", "layers", "peak_gib", "time_s", "ratio_vs_untiled"),
+                        ("transformers", "bitsandbytes", "peft", "tiledmlp"))
 
 
 if __name__ == "__main__":

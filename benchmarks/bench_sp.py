@@ -28,7 +28,6 @@ model's peak at T plus the other layers' weights. Rank 0 writes ``benchmarks/res
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import math
 import os
@@ -53,7 +52,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
-from bench_mlp import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+from bench_mlp import fmt, save_results  # noqa: E402
 
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms")
 COLUMNS = ("variant", "T", "world", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
@@ -188,15 +187,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(result['peak_gib'])} step_s={fmt(result['step_s'])}"
                       f" grad_rel={fmt(result['grad_rel'])}", flush=True)
     if dist.get_rank() == 0:
-        meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
-                **{key: package_version(key) for key in ("transformers", "deepspeed", "tiledmlp")},
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        rows = [{**meta, **row} for row in rows]
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"bench_sp_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-        write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
-        print_rows(rows, ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"))
-        print(f"wrote {args.out / stem}.csv")
+        rows = save_results("bench_sp", rows, device, args, COLUMNS,
+                            ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"),
+                            ("transformers", "deepspeed", "tiledmlp"))
     dist.barrier()
     dist.destroy_process_group()
     return rows

@@ -214,8 +214,8 @@ class HostOffload:
     # -- host buffers ------------------------------------------------------------------------------
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of ``nbytes``: from the pool, else the next one pinned ahead, else pinned now (and, on a
-        GPU, the rest of the step's buffers of this size pinned ahead on a worker thread; see the design note)."""
+        """A host buffer of ``nbytes``: from the pool, else the next one pinned ahead, else (on a GPU) the step's
+        buffers of this size pinned on a worker thread, the first waited for (see the design note)."""
         free = self._free.get(nbytes)
         if free:
             return free.pop()

@@ -662,11 +662,15 @@ def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: s
     head = check_causal_lm(lm_name, lm)
     name = _qualified_name(model, head)
     label = name or type(head).__name__
-    slots = (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
+    slots = _head_slots(head)
     forced, path = _strategy_of(model, head, slots, strategy, label)
     owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
     spec = HeadSpec(label, slots, options, owner)
     return name, TilingState(spec, "loss", "input", _saved_forward(head), forced, path)
+
+
+def _head_slots(head: nn.Module) -> tuple[Slot, ...]:
+    return (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
 
 
 def _qualified_name(model: nn.Module, module: nn.Module) -> str:
@@ -710,8 +714,7 @@ def _follow_new_head(lm: nn.Module) -> None:
                   "cannot be tiled, so its loss is computed untiled (full logits) from now on: %s", owner.name, exc)
         owner.on_new_head = None
         return
-    slots = (Slot(new, "weight"),) + ((Slot(new, "bias"),) if getattr(new, "bias", None) is not None else ())
-    moved = replace(state, spec=replace(state.spec, slots=slots), saved_forward=new.__dict__.get("forward"),
+    moved = replace(state, spec=replace(state.spec, slots=_head_slots(new)), saved_forward=new.__dict__.get("forward"),
                     path=[*state.path[:-1], weakref.ref(new)], _auto={})
     _restore(old)
     owner.head = new

@@ -38,7 +38,6 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from .forms import is_quantized
 from .mlp_form import MLPForm, MLPLayout
 
 __all__ = ["QuantizedLinear", "QuantizedMLPForm", "compute_dtype_of", "dequantizable", "dequantize", "quant_state_of",

@@ -20,7 +20,6 @@ untiled one under the same split and loss (``tiled_vs_untiled``), the strategies
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 from typing import Any, Iterator
 
@@ -38,11 +37,11 @@ VOCAB, T, STEPS, MICRO, LR = 96, 48, 3, 2, 0.1
 PROMPT = 0.6  # share of each sequence's first tokens whose labels are masked
 
 
-def llama() -> nn.Module:
+def llama(device: torch.device = torch.device("cpu")) -> nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(device)
 
 
 def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -59,14 +58,14 @@ def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return out
 
 
-def reference() -> nn.Module:
+def reference(device: torch.device) -> nn.Module:
     """One process, the whole sequences, untiled, eager attention (not the one Ulysses replaces)."""
-    model = llama()
+    model = llama(device)
     model.config._attn_implementation = "eager"
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for micro in batches():
         for ids, labels in micro:
-            (model(input_ids=ids, labels=labels).loss / MICRO).backward()
+            (model(input_ids=ids.to(device), labels=labels.to(device)).loss / MICRO).backward()
         opt.step()
         opt.zero_grad()
     return model
@@ -98,8 +97,9 @@ def _part(env: Env, t: torch.Tensor) -> torch.Tensor:
 def _local_loss(model: nn.Module, env: Env, group: Any, ids: torch.Tensor, labels: torch.Tensor,
                 how: str) -> torch.Tensor:
     """This rank's loss of the whole sequence (see the module docstring for ``how``)."""
+    ids, labels = ids.to(env.device), labels.to(env.device)
     shift = F.pad(labels, (0, 1), value=-100)[:, 1:]  # shifted before the split
-    positions = torch.arange(T)[None]
+    positions = torch.arange(T, device=env.device)[None]
     part = dict(input_ids=_part(env, ids), position_ids=_part(env, positions))
     local = _part(env, shift)
     if how == "sequence_loss":
@@ -112,7 +112,7 @@ def _local_loss(model: nn.Module, env: Env, group: Any, ids: torch.Tensor, label
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+    return {n.removeprefix("module."): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -121,7 +121,7 @@ def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
 
 def train_without_engine(env: Env, group: Any, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
     """The split run with no engine: gradients averaged over the group by hand (what DDP over it does)."""
-    model = llama()
+    model = llama(env.device)
     if tiled:
         tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -141,7 +141,7 @@ def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> 
     import deepspeed
     from deepspeed.runtime.zero import GatheredParameters
 
-    model = llama()
+    model = llama(env.device)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICRO, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "sequence_parallel_size": env.world}
@@ -161,8 +161,8 @@ def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> 
     return params, strategies
 
 
-def _metrics(runs: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> dict[str, Any]:
-    want = _params(reference())
+def _metrics(env: Env, runs: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> dict[str, Any]:
+    want = _params(reference(env.device))
     metrics: dict[str, Any] = {f"{name}_rel": _rel(params, want) for name, (params, _) in runs.items()}
     for name, (params, strategies) in runs.items():
         if name.startswith("tiled"):
@@ -179,14 +179,14 @@ def ulysses_no_engine(env: Env) -> dict[str, Any]:
         group = mpu.get_sequence_parallel_group()
         runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled)
                 for how in ("trainer", "sequence_loss") for tiled in (False, True)}
-    return _metrics(runs)
+    return _metrics(env, runs)
 
 
 def _zero(env: Env, stage: int) -> dict[str, Any]:
     with ulysses(env) as mpu:
         runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_with_engine(env, mpu, stage, how, tiled)
                 for how in ("trainer", "sequence_loss") for tiled in (False, True)}
-    return _metrics(runs)
+    return _metrics(env, runs)
 
 
 @case
@@ -231,7 +231,7 @@ def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor],
     ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
           "zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
     args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=1, report_to=[],
-                             use_cpu=True, deepspeed=ds, parallelism_config=parallelism, learning_rate=LR, optim="sgd",
+                             use_cpu=env.device.type == "cpu", deepspeed=ds, parallelism_config=parallelism, learning_rate=LR, optim="sgd",
                              max_grad_norm=0.0, save_strategy="no", logging_strategy="no", seed=0)
     try:
         trainer = Trainer(model=model, args=args, train_dataset=data)
@@ -267,14 +267,14 @@ def cp_mesh_is_named(env: Env) -> dict[str, Any]:
 
     mesh = init_device_mesh(env.device.type, (env.world // 2, 2), mesh_dim_names=("dp_shard", "cp"))
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    model = llama()
+    model = llama(env.device)
     for layer in model.model.layers:
         fully_shard(layer, mesh=flat)
     fully_shard(model, mesh=flat)
     tiledmlp.enable_tiling(model)
     strategies = sorted(set(tiledmlp.tiled_modules(model).values()))
     try:
-        ids = torch.randint(VOCAB, (1, T // 2))
+        ids = torch.randint(VOCAB, (1, T // 2), device=env.device)
         model(input_ids=ids, labels=ids)
         refused = False
     except ValueError as exc:
@@ -285,8 +285,8 @@ def cp_mesh_is_named(env: Env) -> dict[str, Any]:
 @case
 def sequence_loss_bad_input(env: Env) -> dict[str, Any]:
     """What sequence_loss refuses, each with the fix named."""
-    model = llama()
-    ids = torch.randint(VOCAB, (1, 8))
+    model = llama(env.device)
+    ids = torch.randint(VOCAB, (1, 8), device=env.device)
     said = {}
     for name, call in {"labels": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, labels=ids),
                        "scale": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, grads_averaged_over=0)}.items():
@@ -302,10 +302,11 @@ def sequence_loss_bad_input(env: Env) -> dict[str, Any]:
 def ulysses_unshifted_labels_refused(env: Env) -> dict[str, Any]:
     """Labels (not shift_labels) given to a rank's part: refused, naming the fix, before anything is computed."""
     with ulysses(env):
-        model = tiledmlp.enable_tiling(llama())
-        ids = torch.randint(VOCAB, (1, T))
+        model = tiledmlp.enable_tiling(llama(env.device))
+        ids = torch.randint(VOCAB, (1, T), device=env.device)
         try:
-            model(input_ids=_part(env, ids), position_ids=_part(env, torch.arange(T)[None]), labels=_part(env, ids))
+            model(input_ids=_part(env, ids), position_ids=_part(env, torch.arange(T, device=env.device)[None]),
+                  labels=_part(env, ids))
         except ValueError as exc:
             return {"refused": "shift_labels" in str(exc) and "Ulysses" in str(exc), "message": str(exc)[:200]}
     return {"refused": False}

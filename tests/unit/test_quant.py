@@ -14,7 +14,6 @@ import logging
 import bitsandbytes as bnb  # a test dependency (pip install -e ".[test]"): missing it fails, never skips
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from torch import nn
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
