@@ -11,6 +11,8 @@ Public API:
   (``enable_tiling(model, loss=True)`` tiles Hugging Face causal LMs' loss).
 * :func:`sequence_loss` — the same for a sequence split across ranks (sequence parallelism): the whole
   sequence's loss from this rank's part.
+* :func:`repeat_kv_heads` — grouped KV heads repeated at their projections, for torch's context parallelism
+  (whose ring attention has no grouped-query path).
 * :func:`checkpoint` — non-reentrant activation checkpointing whose layer inputs wait in host memory
   (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
@@ -26,6 +28,7 @@ from torch import nn
 
 from .accumulate import check_accum_dtype
 from .describe import Description, TileInfo, describe, log_summary
+from .distributed.context_parallel import RepeatedKVHeads, check_grouped_kv_under_cp, repeat_kv_heads
 from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
 from .distributed.sequence_parallel import sequence_loss
 from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
@@ -47,6 +50,8 @@ __all__ = [
     "apply_tiled_mlp",
     "tiled_linear_cross_entropy",
     "sequence_loss",
+    "repeat_kv_heads",
+    "RepeatedKVHeads",
     "checkpoint",
     "offloaded_layers",
     "register_mlp",
@@ -123,7 +128,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     gives the same per module.
 
     Returns the same ``model``. Calling it again re-configures (never double-wraps; the loss is tiled
-    if the last call asked for it). On error nothing is changed.
+    if the last call asked for it). On error nothing is changed. A model whose SDPA attention has grouped KV
+    heads and whose parameters live on a mesh with a ``cp`` dimension is refused (torch's ring attention fails on
+    it, tiled or not), naming :func:`repeat_kv_heads`; the tiled loss checks again at each call.
 
     Memory: each tiled MLP keeps only its input (``tokens * hidden``) for backward, instead of
     several ``tokens * intermediate`` activations; backward adds one shard's intermediates, one
@@ -138,6 +145,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
+    check_grouped_kv_under_cp(model)
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}")
     form = options.get("form", "auto")

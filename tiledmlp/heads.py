@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .distributed.sequence_parallel import split_of
+from .distributed.context_parallel import check_grouped_kv_under_cp
+from .distributed.sequence_parallel import SequenceSplit, split_of
 from .forms import Slot, is_plain_linear, is_quantized
 from .function import in_shard
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
@@ -186,22 +187,23 @@ class _CallStart:
             self.owner.on_new_head(module)
         index = self.owner.labels_index
         labels = kwargs.get("labels", args[index] if index is not None and len(args) > index else None)
-        if labels is not None and kwargs.get("shift_labels") is None:
-            _refuse_unshifted_labels_under_a_split(self.owner.name, module)
+        split = split_of(module)
+        if split is not None:
+            if labels is not None and kwargs.get("shift_labels") is None:
+                _refuse_unshifted_labels(self.owner.name, split)
+            check_grouped_kv_under_cp(module, split)  # before torch's ring fails on it, naming the fix
         self.owner.calls.append(_Call(labels is not None))
 
 
-def _refuse_unshifted_labels_under_a_split(name: str, model: nn.Module) -> None:
+def _refuse_unshifted_labels(name: str, split: SequenceSplit) -> None:
     """Labels given to a rank's part of a split sequence are shifted by the loss within that part: the label of
     each part's last token (the next part's first) would be lost. Refused, naming the fix."""
-    split = split_of(model)
-    if split is not None:
-        how = "Ulysses" if split.kind == "sp" else "context parallelism"
-        raise ValueError(
-            f"{name}: its sequence is split across {split.size} ranks ({how}) and it was called with labels but no "
-            "shift_labels: shifted within this rank's part, the labels would lose every part's last target. Shift "
-            "them before the split and pass shift_labels (what DeepSpeed's UlyssesSPDataLoaderAdapter and the "
-            "Trainer do), or use tiledmlp.sequence_loss.")
+    how = "Ulysses" if split.kind == "sp" else "context parallelism"
+    raise ValueError(
+        f"{name}: its sequence is split across {split.size} ranks ({how}) and it was called with labels but no "
+        "shift_labels: shifted within this rank's part, the labels would lose every part's last target. Shift "
+        "them before the split and pass shift_labels (what DeepSpeed's UlyssesSPDataLoaderAdapter and the "
+        "Trainer do), or use tiledmlp.sequence_loss.")
 
 
 class _CallEnd:

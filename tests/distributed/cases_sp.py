@@ -260,8 +260,10 @@ def trainer_ulysses_zero3(env: Env) -> dict[str, Any]:
 
 @case
 def cp_mesh_is_named(env: Env) -> dict[str, Any]:
-    """FSDP2 over a ``dp_shard x cp`` mesh flattened (torchtitan's and accelerate's context-parallel layout): the
-    strategy names the split, and unshifted labels are refused. (torch's ring attention itself needs a GPU.)"""
+    """FSDP2 over a ``dp_shard x cp`` mesh flattened (torchtitan's and accelerate's context-parallel layout): grouped
+    KV heads in SDPA attention refused (torch's ring has no grouped-query path), naming repeat_kv_heads, model
+    untouched; with the heads repeated, the strategy names the split, and unshifted labels are refused; heads
+    grouped again after tiling: refused at the call. (torch's ring attention itself needs a GPU.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -271,15 +273,25 @@ def cp_mesh_is_named(env: Env) -> dict[str, Any]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=flat)
     fully_shard(model, mesh=flat)
+    out: dict[str, Any] = {"grouped_refused": _refusal(lambda: tiledmlp.enable_tiling(model)),
+                           "untouched": tiledmlp.tiled_modules(model) == {}}
+    repeated = tiledmlp.repeat_kv_heads(model)
     tiledmlp.enable_tiling(model)
-    strategies = sorted(set(tiledmlp.tiled_modules(model).values()))
+    out["strategies"] = sorted(set(tiledmlp.tiled_modules(model).values()))
+    ids = torch.randint(VOCAB, (1, T // 2), device=env.device)
+    out["refused"] = _refusal(lambda: model(input_ids=ids, labels=ids))
+    repeated.remove()
+    out["grouped_call_refused"] = _refusal(lambda: model(input_ids=ids, labels=ids, shift_labels=ids))
+    return out
+
+
+def _refusal(call: Any) -> str:
+    """The ValueError's message ``call`` raised ('' if it raised none)."""
     try:
-        ids = torch.randint(VOCAB, (1, T // 2), device=env.device)
-        model(input_ids=ids, labels=ids)
-        refused = False
+        call()
     except ValueError as exc:
-        refused = "context parallelism" in str(exc) and "shift_labels" in str(exc)
-    return {"strategies": strategies, "refused": refused}
+        return str(exc)
+    return ""
 
 
 @case
@@ -287,15 +299,8 @@ def sequence_loss_bad_input(env: Env) -> dict[str, Any]:
     """What sequence_loss refuses, each with the fix named."""
     model = llama(env.device)
     ids = torch.randint(VOCAB, (1, 8), device=env.device)
-    said = {}
-    for name, call in {"labels": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, labels=ids),
-                       "scale": lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, grads_averaged_over=0)}.items():
-        try:
-            call()
-            said[name] = ""
-        except ValueError as exc:
-            said[name] = str(exc)
-    return said
+    return {"labels": _refusal(lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, labels=ids)),
+            "scale": _refusal(lambda: tiledmlp.sequence_loss(model, ids, input_ids=ids, grads_averaged_over=0))}
 
 
 @case

@@ -48,7 +48,15 @@ def test_unshifted_labels_are_refused(suite):
 
 def test_a_context_parallel_mesh_is_named(suite):
     for m in suite.metrics("cp_mesh_is_named"):
-        assert m["strategies"] == ["fsdp2+cp"] and m["refused"], m
+        assert m["strategies"] == ["fsdp2+cp"], m
+        assert "context parallelism" in m["refused"] and "shift_labels" in m["refused"], m
+
+
+def test_grouped_kv_heads_under_context_parallelism_refused_naming_the_fix(suite):
+    for m in suite.metrics("cp_mesh_is_named"):
+        for said in (m["grouped_refused"], m["grouped_call_refused"]):
+            assert "tiledmlp.repeat_kv_heads(model)" in said and "grouped-query" in said, m
+        assert m["untouched"], m
 
 
 def test_trainer_with_accelerate_ulysses_trains_as_untiled(suite):
