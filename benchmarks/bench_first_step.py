@@ -39,7 +39,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from bench_longctx import MODEL_NAMES, MODELS, SMOKE, VARIANTS, build_model, configure, loss_of, sync  # noqa: E402
-from bench_mlp import bench_device, fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+from bench_mlp import (bench_device, fmt, gpu_name, gpu_slug, package_version, parse_variants, print_rows,  # noqa: E402
+                       write_csv_rows)
 
 COLUMNS = ("variant", "model", "layers", "T", "triton_cache", "build_s", "enable_s", "first_s", "steady_s",
            "overhead_s", "first_compile_s", "compiles", "first_host_alloc_s", "host_buffers", "peak_gib", "gpu_name",
@@ -183,10 +184,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.seq_len is None:
         args.seq_len = 256 if args.smoke else 32768
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    args.variants = parse_variants(args.variants, VARIANTS)
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the overhead is the first step against the later ones")
     return args

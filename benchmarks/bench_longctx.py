@@ -53,7 +53,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_mlp import (bench_device, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
-                       plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
+                       parse_variants, plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
@@ -172,10 +172,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.seq_lens is None:
         args.seq_lens = "64,128" if args.smoke else "16384,32768,65536,131072"
     args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    args.variants = parse_variants(args.variants, VARIANTS)
     return args
 
 

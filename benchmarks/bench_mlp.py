@@ -45,7 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +162,15 @@ def parse_options(text: str) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key.strip()] = raw.strip()
     return options
+
+
+def parse_variants(text: str, known: Sequence[str]) -> list[str]:
+    """``--variants a,b`` as a list; exits naming the known ones when one is not."""
+    variants = text.split(",")
+    unknown = set(variants) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(known)}")
+    return variants
 
 
 def release_memory() -> None:

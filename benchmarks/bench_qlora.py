@@ -38,7 +38,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
-from bench_mlp import bench_device, fmt, gpu_name, median_ms, run_or_status, save_results  # noqa: E402
+from bench_mlp import bench_device, fmt, gpu_name, median_ms, parse_variants, run_or_status, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMNS = ("kind", "variant", "T", "layers", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss", "gpu_name",
@@ -193,9 +193,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         text = getattr(args, name)
         text = default if text is None else text
         setattr(args, name, [int(t) for t in text.split(",") if t])
-    args.variants = args.variants.split(",")
-    if set(args.variants) - {"untiled", "tiled"}:
-        raise SystemExit(f"unknown variants {args.variants}; known: untiled, tiled")
+    args.variants = parse_variants(args.variants, ("untiled", "tiled"))
     return args
 
 

@@ -52,7 +52,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
-from bench_mlp import fmt, save_results  # noqa: E402
+from bench_mlp import fmt, parse_variants, save_results  # noqa: E402
 
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms")
 COLUMNS = ("variant", "T", "world", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
@@ -144,10 +144,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
     args = parser.parse_args(argv)
     args.seq_lens = [int(t) for t in (args.seq_lens or ("256" if args.smoke else "262144,524288")).split(",")]
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    args.variants = parse_variants(args.variants, VARIANTS)
     return args
 
 

@@ -411,7 +411,7 @@ def summarize(label: str, result: Result, env: Dist) -> None:
 
 def with_sequence_parallel(env: Dist, args: argparse.Namespace) -> Dist:
     """--sp: DeepSpeed's Ulysses over groups of ``args.sp`` consecutive ranks (its attention registered with
-    transformers in place of sdpa); ValueError naming the fix for what it cannot split."""
+    transformers in place of sdpa); exits naming the fix for what it cannot split."""
     if args.sp == 1:
         return env
     if not dist.is_initialized() or env.world % args.sp:

@@ -23,13 +23,13 @@ from torch import nn
 
 from .accumulate import GradAccumulator
 
+__all__ = ["Slot", "ModuleForm", "is_plain_linear", "is_quantized", "swapped"]
+
 
 def is_quantized(t: Any) -> bool:
     """A bitsandbytes quantized parameter (4-bit ``Params4bit``, 8-bit ``Int8Params``): never detached, swapped for
     a plain tensor or differentiated by tiling (``tiledmlp.quant``)."""
     return isinstance(t, torch.Tensor) and type(t).__module__.startswith("bitsandbytes")
-
-__all__ = ["Slot", "ModuleForm", "is_plain_linear", "is_quantized", "swapped"]
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,11 @@ class LossOwner:
     # untied head): moves the tiling to the new one (``patching``), or says why it cannot.
     on_new_head: Optional[Callable[[nn.Module], None]] = None
 
+    def follow_head(self, lm: nn.Module) -> None:
+        """Move the tiling to ``lm``'s output layer if it is no longer ``head`` (see ``on_new_head``)."""
+        if self.on_new_head is not None and lm.get_output_embeddings() is not self.head:
+            self.on_new_head(lm)
+
     def wants_placeholder(self) -> bool:
         return len(self.calls) > 0 and self.calls[-1].labels  # len, not bool(list): Dynamo traces it (torch 2.11)
 
@@ -183,8 +188,7 @@ class _CallStart:
         self.owner = owner
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.owner.on_new_head is not None and module.get_output_embeddings() is not self.owner.head:
-            self.owner.on_new_head(module)
+        self.owner.follow_head(module)
         index = self.owner.labels_index
         labels = kwargs.get("labels", args[index] if index is not None and len(args) > index else None)
         split = split_of(module)

@@ -749,8 +749,8 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
     followed first (as its next call would)."""
     for module in list(model.modules()):
         owner = module.__dict__.get(OWNER_ATTR)
-        if owner is not None and owner.on_new_head is not None and module.get_output_embeddings() is not owner.head:
-            owner.on_new_head(module)
+        if owner is not None:
+            owner.follow_head(module)
     split = split_of(model)
     suffix = f"+{split.kind}" if split is not None else ""
     for name, module in model.named_modules():

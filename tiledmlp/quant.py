@@ -32,6 +32,7 @@ differ between the projections. bitsandbytes is optional: without it nothing her
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -45,11 +46,9 @@ __all__ = ["QuantizedLinear", "QuantizedMLPForm", "compute_dtype_of", "dequantiz
 
 
 def _bnb_linear4bit() -> Optional[type]:
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return None
-    return Linear4bit
+    """bitsandbytes' ``Linear4bit`` if bitsandbytes is loaded (a model with one has loaded it), else None: never
+    imported here (it takes seconds, and recognition asks for every Linear-like child)."""
+    return getattr(sys.modules.get("bitsandbytes.nn"), "Linear4bit", None)
 
 
 @dataclass(frozen=True)

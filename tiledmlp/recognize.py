@@ -124,11 +124,8 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
     """``m`` as a :class:`LinearLike`, or None."""
-    if is_plain_linear(m):
-        bias = Slot(m, "bias") if m.bias is not None else None
-        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias)
-    quant = quantized_linear(m)
-    if quant is not None:
+    quant = quantized_linear(m)  # a 4-bit Linear4bit: plain but for its packed weight
+    if is_plain_linear(m) or quant is not None:
         bias = Slot(m, "bias") if m.bias is not None else None
         return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant)
     if _is_conv1d(m):
@@ -385,8 +382,9 @@ def _dequantized_linear_problem(lin: LinearLike) -> str:
     with torch.no_grad(), _exact_float32():
         got = bnb.matmul_4bit(tokens, packed, quant_state=state, bias=bias)
         want = F.linear(tokens, dequantize(packed, state, torch.float32), bias)
-    if _rel_max_err(got, want) > PROBE_RTOL:
-        return f"does not compute F.linear with its dequantized weight here (max relative error {_rel_max_err(got, want):.1e})"
+    err = _rel_max_err(got, want)
+    if err > PROBE_RTOL:
+        return f"does not compute F.linear with its dequantized weight here (max relative error {err:.1e})"
     return ""
 
 

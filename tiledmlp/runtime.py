@@ -114,22 +114,18 @@ class TiledCallSpec:
             shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
             gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
             form = MoEForm(lay, gate_fn)
-        elif lay is not None and self.quantized:
-            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
-            c = compute_dtype_of(self.quantized[0][1].module, x)
-            inter = quantized[lay.down.weight].shape[1] if lay.down.weight in quantized else lay.inter(tensors)
-            itemsize = torch.finfo(c).bits // 8
-            shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
-            forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
-            form = QuantizedMLPForm(lay, chunks, quantized, c)
-            if accum is None:
-                accum = lay.default_grad_accum_dtype
         elif lay is not None:
-            inter = lay.inter(tensors)
-            itemsize = _compute_itemsize(x, tensors[lay.down.weight])
+            # 4-bit weights (tiledmlp.quant): sized by their compute dtype, the down projection's by its quant state
+            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
+            c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
+            if lay.down.weight in quantized:
+                inter = quantized[lay.down.weight].shape[1]
+            else:
+                inter = lay.inter(tensors)
+            itemsize = torch.finfo(c).bits // 8 if c is not None else _compute_itemsize(x, tensors[lay.down.weight])
             shard_rows, chunks = self.policy.mlp_tile(tokens, inter, itemsize, lay.gated)
             forward_rows = self.policy.mlp_forward_rows(inter, itemsize, shard_rows, lay.gated)
-            form: Any = MLPForm(lay, chunks)
+            form: Any = QuantizedMLPForm(lay, chunks, quantized, c) if c is not None else MLPForm(lay, chunks)
             if accum is None:
                 accum = lay.default_grad_accum_dtype
         else:

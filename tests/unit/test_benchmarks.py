@@ -17,6 +17,7 @@ import bench_first_step  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_longctx  # noqa: E402
 import bench_qlora  # noqa: E402
+import bench_sp  # noqa: E402
 import bench_mlp  # noqa: E402
 import bench_moe  # noqa: E402
 
@@ -162,8 +163,9 @@ def test_bench_moe_smoke(tmp_path):
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit, match="unknown provider"):
         bench_loss.available(["hf", "magic"], bench_loss.torch.device("cpu"))
-    with pytest.raises(SystemExit, match="unknown variants"):
-        bench_longctx.parse_args(["--variants", "loss,magic"])
+    for script in (bench_longctx, bench_first_step, bench_qlora, bench_sp):
+        with pytest.raises(SystemExit, match=r"unknown variants \['magic'\]; known: untiled, "):
+            script.parse_args(["--variants", "untiled,magic"])
     with pytest.raises(SystemExit, match="--style"):
         bench_mlp.parse_args(["--quick", "--style", "act_fn,magic"])
     with pytest.raises(SystemExit, match="--blocks"):
