@@ -5,31 +5,48 @@ Two measurements, in one run:
 * ``--mlp-seq-lens``: one Llama-3.1-8B MLP (H 4096, I 14336) with bitsandbytes 4-bit projections (nf4,
   double-quantized, bf16 compute) and LoRA r=16 on each, forward + backward, untiled (bitsandbytes' own
   layers) against ``tiledmlp.enable_tiling`` (the fast GLU form, weights dequantized once per pass): median
-  time and peak memory above the inputs, and the tiled/untiled time ratio (target <= 1.25).
+  time and peak memory above the inputs, and the tiled/untiled time ratio (target <= 1.25). Two ways: the MLP
+  alone (``kind`` ``mlp``) and as a checkpointed layer runs it (``mlp+ckpt``: ``x + mlp(x)`` under
+  non-reentrant checkpointing, how long sequences train), where the untiled MLP's forward runs twice and the
+  tiled one's once, its recompute left to the tiled backward.
 * ``--seq-lens``: a training step of a Llama-shaped model (``--model 8b``: Llama-3.1-8B, ``--layers`` of it)
   with every decoder projection 4-bit and LoRA r=16 on all of them, embeddings and head bf16 and frozen,
   non-reentrant checkpointing per layer, one sequence: peak memory and step time per variant —
   ``untiled`` and ``tiled`` (``enable_tiling(model, norms=True, offload="cpu")``: MLPs, loss, norms, layer inputs
   on the host). With offload the peak does not grow with the number of layers beyond their 4-bit weights, so a
   run with fewer layers at length T gives the full model's peak at T plus the other layers' weights.
+  ``--confirm`` then projects the longest sequence of the whole model (every layer) on this GPU from the slope
+  between the two longest lengths and runs a step at that length (``kind`` ``confirm``; ``peak_gib`` is the
+  run's peak plus the missing layers' bytes, ``projected`` the length).
+
+peft keeps adapters in float32; without autocast each adapter casts its layer's input to float32 (on the
+attention projections: four float32 copies of the hidden states per layer, alive in its backward). ``--autocast``
+runs under ``torch.autocast(bf16)`` as the Trainer's ``bf16=True`` does, where peft casts nothing.
 
 The model is built in code (random weights, quantized on the device); nothing is downloaded.
 
-    python3 benchmarks/bench_qlora.py --mlp-seq-lens 32768,131072 --seq-lens 262144,700416 --layers 4
+    python3 benchmarks/bench_qlora.py --mlp-seq-lens 32768,131072 --seq-lens 65536,131072 --layers 2 --confirm
     python3 benchmarks/bench_qlora.py --smoke          # tiny sizes on a CPU: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-from torch import nn
+# Long sequences allocate blocks of hundreds of MiB whose sizes change per layer and pass: without expandable
+# segments the caching allocator strands gigabytes between them (long-context recipes commonly set it).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
@@ -41,9 +58,8 @@ from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
 from bench_mlp import bench_device, fmt, gpu_name, median_ms, parse_variants, run_or_status, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-COLUMNS = ("kind", "variant", "T", "layers", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss", "gpu_name",
-           "torch",
-           "transformers", "bitsandbytes", "peft", "tiledmlp", "date")
+COLUMNS = ("kind", "variant", "T", "layers", "autocast", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss",
+           "projected", "gpu_name", "torch", "transformers", "bitsandbytes", "peft", "tiledmlp", "date")
 MLP_SHAPE = dict(hidden=4096, intermediate=14336)
 SMOKE_MLP = dict(hidden=64, intermediate=128)
 
@@ -89,13 +105,25 @@ def qlora_mlp(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -
     return mlp.to(device)
 
 
-def time_mlp(mlp: nn.Module, tokens: int, reps: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Median forward + backward time of ``mlp`` on ``tokens`` tokens, and its peak above the inputs."""
+def precision(args, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast where ``--autocast`` asks for it (the Trainer's ``bf16=True``), else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+
+
+def time_mlp(mlp: nn.Module, tokens: int, checkpointed: bool, args, device: torch.device,
+             dtype: torch.dtype) -> dict[str, Any]:
+    """Median forward + backward time of ``mlp`` on ``tokens`` tokens (``checkpointed``: ``x + mlp(x)`` under
+    non-reentrant checkpointing, as a checkpointed decoder layer runs it), and its peak above the inputs."""
     x = torch.randn(1, tokens, mlp.gate_proj.in_features, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
 
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return t + mlp(t)
+
     def step() -> None:
-        mlp(x).backward(g)
+        with precision(args, device):
+            y = checkpoint(block, x, use_reentrant=False) if checkpointed else mlp(x)
+        y.backward(g)
         x.grad = None
         mlp.zero_grad(set_to_none=True)
 
@@ -104,27 +132,31 @@ def time_mlp(mlp: nn.Module, tokens: int, reps: int, device: torch.device, dtype
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    ms = median_ms(step, device.type == "cuda", reps, 1)
+    ms = median_ms(step, device.type == "cuda", args.reps, 1)
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else math.nan
     return {"time_s": ms / 1e3, "peak_gib": peak}
 
 
 def mlp_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """The 4-bit MLP, untiled and tiled, forward + backward at each length."""
+    """The 4-bit MLP, untiled and tiled, forward + backward at each length, alone and checkpointed."""
     rows = []
     for tokens in args.mlp_seq_lens:
-        for variant in ("untiled", "tiled"):
-            mlp = qlora_mlp(SMOKE_MLP if args.smoke else MLP_SHAPE, device, dtype)
-            if variant == "tiled":
-                tiledmlp.enable_tiling(mlp)
-            forms = "+".join(i.form for i in tiledmlp.describe(mlp).values())
-            rows.append({"kind": "mlp", "variant": variant, "T": tokens, "layers": 1, "forms": forms,
-                         **run_or_status(lambda: time_mlp(mlp, tokens, args.reps, device, dtype),
-                                         lambda: free(mlp, device), ("time_s", "peak_gib"))})
-            free(nn.Module(), device)
-        untiled, tiled = rows[-2:]
-        if all(isinstance(r["time_s"], float) for r in (untiled, tiled)):
-            untiled["ratio_vs_untiled"], tiled["ratio_vs_untiled"] = 1.0, tiled["time_s"] / untiled["time_s"]
+        for kind in ("mlp", "mlp+ckpt"):
+            for variant in ("untiled", "tiled"):
+                mlp = qlora_mlp(SMOKE_MLP if args.smoke else MLP_SHAPE, device, dtype)
+                if variant == "tiled":
+                    tiledmlp.enable_tiling(mlp)
+                forms = "+".join(i.form for i in tiledmlp.describe(mlp).values())
+                run = lambda: time_mlp(mlp, tokens, kind == "mlp+ckpt", args, device, dtype)  # noqa: E731
+                rows.append({"kind": kind, "variant": variant, "T": tokens, "layers": 1, "autocast": args.autocast,
+                             "forms": forms,
+                             **run_or_status(run, lambda: free(mlp, device), ("time_s", "peak_gib"))})
+                free(nn.Module(), device)
+            untiled, tiled = rows[-2:]
+            if all(isinstance(r["time_s"], float) for r in (untiled, tiled)):
+                untiled["ratio_vs_untiled"], tiled["ratio_vs_untiled"] = 1.0, tiled["time_s"] / untiled["time_s"]
+            print(f"  {kind:<8} T={tokens:>7} untiled {fmt(untiled['time_s'])} s {fmt(untiled['peak_gib'])} GiB, "
+                  f"tiled {fmt(tiled['time_s'])} s {fmt(tiled['peak_gib'])} GiB", flush=True)
     return rows
 
 
@@ -138,14 +170,15 @@ def qlora_model(args, device: torch.device, dtype: torch.dtype, tokens: int) -> 
     return with_lora(model)
 
 
-def time_step(model: nn.Module, ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+def time_step(model: nn.Module, ids: torch.Tensor, args, device: torch.device) -> dict[str, Any]:
     """One training step (forward + backward): its time, the peak, the loss."""
     free(model, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     begin = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
+    with precision(args, device):
+        loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     sync(device)
     seconds = time.perf_counter() - begin
@@ -153,27 +186,75 @@ def time_step(model: nn.Module, ids: torch.Tensor, device: torch.device) -> dict
     return {"time_s": seconds, "peak_gib": peak, "loss": loss.item()}
 
 
+def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, variant: str,
+             kind: str = "step") -> dict[str, Any]:
+    """One training step of a fresh QLoRA model of ``tokens`` tokens, ``variant`` (untiled or tiled)."""
+    model = qlora_model(args, device, dtype, tokens)
+    ids = torch.randint(model.config.vocab_size, (1, tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(tokens))
+    if variant == "tiled":
+        tiledmlp.enable_tiling(model, norms=True, offload="cpu")
+    forms = sorted({i.form for i in tiledmlp.describe(model).values()})
+    row = {"kind": kind, "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
+           "autocast": args.autocast, "forms": "+".join(forms),
+           **run_or_status(lambda: time_step(model, ids, args, device), lambda: free(model, device),
+                           ("time_s", "peak_gib", "loss"))}
+    print(f"  {kind} T={tokens:>7} {variant:<8} peak_gib={fmt(row['peak_gib'])} time_s={fmt(row['time_s'])}",
+          flush=True)
+    del model, ids
+    free(nn.Module(), device)
+    return row
+
+
+def missing_layers_gib(args, device: torch.device, dtype: torch.dtype) -> float:
+    """The bytes (GiB) of the decoder layers a ``--layers`` run leaves out: one layer's 4-bit weights, quantization
+    state, norms and adapters (with their gradients), measured on the device, times the missing count."""
+    full = (SMOKE if args.smoke else MODELS[args.model])["layers"]
+    if device.type != "cuda":
+        return math.nan
+    free(nn.Module(), device)
+    before = torch.cuda.memory_allocated(device)
+    model = qlora_model(argparse.Namespace(**{**vars(args), "layers": 1}), device, dtype, 1)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    everything = torch.cuda.memory_allocated(device) - before
+    layers = model.base_model.model.model.layers
+    outside = everything - sum(sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+                               for layer in layers)
+    per_layer = everything - outside + sum(p.numel() * p.element_size() for p in layers.parameters()
+                                           if p.requires_grad)
+    del model, layers
+    free(nn.Module(), device)
+    return per_layer * (full - (args.layers or full)) / 2**30
+
+
+def confirm_row(args, device: torch.device, dtype: torch.dtype, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The longest sequence of the whole model projected from the tiled steps' slope (two longest lengths),
+    and a step run at it: its peak plus the missing layers' bytes should stay under the card's memory."""
+    points = sorted((r["T"], r["peak_gib"]) for r in rows if r["variant"] == "tiled" and isinstance(r["peak_gib"],
+                                                                                                     float))
+    if len(points) < 2 or device.type != "cuda":
+        print("  confirm: needs two tiled step lengths on a GPU", flush=True)
+        return []
+    (t0, p0), (t1, p1) = points[-2:]
+    slope = (p1 - p0) / (t1 - t0)
+    missing = missing_layers_gib(args, device, dtype)
+    capacity = torch.cuda.mem_get_info(device)[1] / 2**30 * 0.95  # the allocator's and CUDA's own
+    projected = int((capacity - missing - (p1 - slope * t1)) / slope) // 4096 * 4096
+    print(f"  slope {slope * 2**20:.1f} KiB/token, missing layers {missing:.2f} GiB, projected {projected} tokens",
+          flush=True)
+    row = step_row(args, device, dtype, projected, "tiled", kind="confirm")
+    row["projected"] = projected
+    if isinstance(row["peak_gib"], float):
+        row["peak_gib"] += missing
+    return [row]
+
+
 def step_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """One training step of the QLoRA model per variant and length (a fresh model per length)."""
-    rows = []
-    for tokens in args.seq_lens:
-        model = qlora_model(args, device, dtype, tokens)
-        ids = torch.randint(model.config.vocab_size, (1, tokens), device=device,
-                            generator=torch.Generator(device=device).manual_seed(tokens))
-        for variant in args.variants:
-            tiledmlp.disable_tiling(model)
-            if variant == "tiled":
-                tiledmlp.enable_tiling(model, norms=True, offload="cpu")
-            forms = sorted({i.form for i in tiledmlp.describe(model).values()})
-            row = {"kind": "step", "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
-                   "forms": "+".join(forms), **run_or_status(lambda: time_step(model, ids, device),
-                                                              lambda: free(model, device),
-                                                              ("time_s", "peak_gib", "loss"))}
-            rows.append(row)
-            print(f"  step T={tokens:>7} {variant:<8} peak_gib={fmt(row['peak_gib'])} time_s={fmt(row['time_s'])}",
-                  flush=True)
-        free(nn.Module(), device)
-    return rows
+    """One training step of the QLoRA model per variant and length (a fresh model per step)."""
+    rows = [step_row(args, device, dtype, tokens, variant) for tokens in args.seq_lens for variant in args.variants]
+    return rows + (confirm_row(args, device, dtype, rows) if args.confirm else [])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -184,6 +265,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="8b")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--reps", type=int, default=5, help="timed MLP runs (median)")
+    parser.add_argument("--autocast", action="store_true", help="run under bf16 autocast (the Trainer's bf16=True)")
+    parser.add_argument("--confirm", action="store_true",
+                        help="project the whole model's longest sequence from the tiled steps and run one at it")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on a CPU")

@@ -14,10 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
-from cases_sp import LR, MICRO, T, _rel, batches, llama, reference
+from cases_sp import LR, MICRO, _rel, batches, llama, reference
 from common import Env, registry
 
 CASES, case = registry()
+# torch's ring merges each step's log-sum-exp with its running one; the efficient-attention kernel (float32 here)
+# pads it to a multiple of 32 tokens, and the merge then fails on shape ("size of tensor a (32) must match ... (24)")
+# unless every chunk a rank attends with is a multiple of 32: 2 chunks per cp rank under load balancing.
+T = 2 * 2 * 64
 
 
 def _drop_masks(model: nn.Module) -> None:
@@ -45,7 +49,7 @@ def _train(env: Env, tiled: bool, balanced: bool) -> tuple[dict[str, torch.Tenso
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options
 
-    mesh = init_device_mesh("cuda", (env.world // 2, 2), mesh_dim_names=("dp_shard", "cp"))
+    mesh = init_device_mesh(env.device.type, (env.world // 2, 2), mesh_dim_names=("dp_shard", "cp"))
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     model = llama(env.device)
     tiledmlp.repeat_kv_heads(model)  # torch's ring has no grouped-query path
@@ -60,7 +64,7 @@ def _train(env: Env, tiled: bool, balanced: bool) -> tuple[dict[str, torch.Tenso
     saved = _cp_options.enable_load_balance
     _cp_options.enable_load_balance = balanced
     try:
-        for micro in batches():
+        for micro in batches(T):
             for ids, labels in micro:
                 ids = ids.to(env.device)
                 shift = F.pad(labels.to(env.device), (0, 1), value=-100)[:, 1:].contiguous()  # before the split
@@ -79,7 +83,7 @@ def _train(env: Env, tiled: bool, balanced: bool) -> tuple[dict[str, torch.Tenso
 
 
 def _compare(env: Env, balanced: bool) -> dict[str, Any]:
-    want = {n: p.detach().float().cpu() for n, p in reference(env.device).named_parameters()}
+    want = {n: p.detach().float().cpu() for n, p in reference(env.device, T).named_parameters()}
     untiled, _ = _train(env, tiled=False, balanced=balanced)
     tiled, strategies = _train(env, tiled=True, balanced=balanced)
     return {"untiled_vs_reference": _rel(untiled, want), "tiled_vs_untiled": _rel(tiled, untiled),

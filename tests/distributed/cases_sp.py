@@ -44,26 +44,26 @@ def llama(device: torch.device = torch.device("cpu")) -> nn.Module:
     return LlamaForCausalLM(config).to(device)
 
 
-def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``[step][micro-batch] -> (input_ids, labels)`` of whole sequences, the same on every rank."""
+def batches(length: int = T) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``[step][micro-batch] -> (input_ids, labels)`` of whole sequences of ``length``, the same on every rank."""
     out = []
     for step in range(STEPS):
         micro = []
         for i in range(MICRO):
-            ids = torch.randint(VOCAB, (1, T), generator=torch.Generator().manual_seed(100 * step + i))
+            ids = torch.randint(VOCAB, (1, length), generator=torch.Generator().manual_seed(100 * step + i))
             labels = ids.clone()
-            labels[:, :int(PROMPT * T)] = -100
+            labels[:, :int(PROMPT * length)] = -100
             micro.append((ids, labels))
         out.append(micro)
     return out
 
 
-def reference(device: torch.device) -> nn.Module:
+def reference(device: torch.device, length: int = T) -> nn.Module:
     """One process, the whole sequences, untiled, eager attention (not the one Ulysses replaces)."""
     model = llama(device)
     model.config._attn_implementation = "eager"
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for micro in batches():
+    for micro in batches(length):
         for ids, labels in micro:
             (model(input_ids=ids.to(device), labels=labels.to(device)).loss / MICRO).backward()
         opt.step()
