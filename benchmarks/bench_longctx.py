@@ -83,11 +83,12 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
 
 
 def configure(model: nn.Module, variant: str) -> None:
-    """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``."""
+    """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``,
+    ``proj`` (LoRA-adapted projections)."""
     tiledmlp.disable_tiling(model)
     parts = set(variant.split("+"))
     if parts & {"mlp", "loss"}:
-        tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts,
+        tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
                                offload="cpu" if "offload" in parts else None)
 
 

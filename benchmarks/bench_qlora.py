@@ -9,15 +9,16 @@ Two measurements, in one run:
   alone (``kind`` ``mlp``) and as a checkpointed layer runs it (``mlp+ckpt``: ``x + mlp(x)`` under
   non-reentrant checkpointing, how long sequences train), where the untiled MLP's forward runs twice and the
   tiled one's once, its recompute left to the tiled backward.
-* ``--seq-lens``: a training step of a Llama-shaped model (``--model 8b``: Llama-3.1-8B, ``--layers`` of it)
-  with every decoder projection 4-bit and LoRA r=16 on all of them, embeddings and head bf16 and frozen,
-  non-reentrant checkpointing per layer, one sequence: peak memory and step time per variant —
-  ``untiled`` and ``tiled`` (``enable_tiling(model, norms=True, offload="cpu")``: MLPs, loss, norms, layer inputs
-  on the host). With offload the peak does not grow with the number of layers beyond their 4-bit weights, so a
-  run with fewer layers at length T gives the full model's peak at T plus the other layers' weights.
-  ``--confirm`` then projects the longest sequence of the whole model (every layer) on this GPU from the slope
-  between the two longest lengths and runs a step at that length (``kind`` ``confirm``; ``peak_gib`` is the
-  run's peak plus the missing layers' bytes, ``projected`` the length).
+* ``--seq-lens``: a training step of a Llama-shaped model (``--model 8b``: Llama-3.1-8B, ``--layers`` of it) with
+  every decoder projection 4-bit and LoRA r=16 on all of them, embeddings and head bf16 and frozen, non-reentrant
+  checkpointing per layer, one sequence: peak memory and step time per variant — ``untiled``, ``tiled``
+  (``enable_tiling(model, norms=True, offload="cpu")``: MLPs, loss, norms, layer inputs on the host) and
+  ``tiled+proj`` (the same with ``projections=True``: the attention projections' adapters too). With offload the
+  peak does not grow with the number of layers beyond their 4-bit weights, so a run with fewer layers at length T
+  gives the full model's peak at T plus the other layers' weights. ``--confirm`` then projects the longest sequence
+  of the whole model (every layer) on this GPU from the last variant's slope between the two longest lengths and
+  runs a step at that length (``kind`` ``confirm``; ``peak_gib`` is the run's peak plus the missing layers' bytes,
+  ``projected`` the length).
 
 peft keeps adapters in float32; without autocast each adapter casts its layer's input to float32 (on the
 attention projections: four float32 copies of the hidden states per layer, alive in its backward). ``--autocast``
@@ -192,8 +193,8 @@ def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, varian
     model = qlora_model(args, device, dtype, tokens)
     ids = torch.randint(model.config.vocab_size, (1, tokens), device=device,
                         generator=torch.Generator(device=device).manual_seed(tokens))
-    if variant == "tiled":
-        tiledmlp.enable_tiling(model, norms=True, offload="cpu")
+    if variant.startswith("tiled"):
+        tiledmlp.enable_tiling(model, norms=True, offload="cpu", projections=variant == "tiled+proj")
     forms = sorted({i.form for i in tiledmlp.describe(model).values()})
     row = {"kind": kind, "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
            "autocast": args.autocast, "forms": "+".join(forms),
@@ -230,12 +231,13 @@ def missing_layers_gib(args, device: torch.device, dtype: torch.dtype) -> float:
 
 
 def confirm_row(args, device: torch.device, dtype: torch.dtype, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The longest sequence of the whole model projected from the tiled steps' slope (two longest lengths),
-    and a step run at it: its peak plus the missing layers' bytes should stay under the card's memory."""
-    points = sorted((r["T"], r["peak_gib"]) for r in rows if r["variant"] == "tiled" and isinstance(r["peak_gib"],
-                                                                                                     float))
-    if len(points) < 2 or device.type != "cuda":
-        print("  confirm: needs two tiled step lengths on a GPU", flush=True)
+    """The longest sequence of the whole model projected from the last variant's slope (two longest lengths; a tiled
+    one), and a step run at it: its peak plus the missing layers' bytes should stay under the card's memory."""
+    variant = rows[-1]["variant"] if rows else ""
+    points = sorted((r["T"], r["peak_gib"]) for r in rows
+                    if r["variant"] == variant and isinstance(r["peak_gib"], float))
+    if not variant.startswith("tiled") or len(points) < 2 or device.type != "cuda":
+        print("  confirm: needs two step lengths of a tiled variant (the last one) on a GPU", flush=True)
         return []
     (t0, p0), (t1, p1) = points[-2:]
     slope = (p1 - p0) / (t1 - t0)
@@ -244,7 +246,7 @@ def confirm_row(args, device: torch.device, dtype: torch.dtype, rows: list[dict[
     projected = int((capacity - missing - (p1 - slope * t1)) / slope) // 4096 * 4096
     print(f"  slope {slope * 2**20:.1f} KiB/token, missing layers {missing:.2f} GiB, projected {projected} tokens",
           flush=True)
-    row = step_row(args, device, dtype, projected, "tiled", kind="confirm")
+    row = step_row(args, device, dtype, projected, variant, kind="confirm")
     row["projected"] = projected
     if isinstance(row["peak_gib"], float):
         row["peak_gib"] += missing
@@ -261,7 +263,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mlp-seq-lens", default=None, help="comma-separated (default 32768,131072); '' for none")
     parser.add_argument("--seq-lens", default=None, help="comma-separated step lengths (default 131072); '' for none")
-    parser.add_argument("--variants", default="untiled,tiled")
+    parser.add_argument("--variants", default="untiled,tiled,tiled+proj")
     parser.add_argument("--model", choices=sorted(MODELS), default="8b")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--reps", type=int, default=5, help="timed MLP runs (median)")
@@ -277,7 +279,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         text = getattr(args, name)
         text = default if text is None else text
         setattr(args, name, [int(t) for t in text.split(",") if t])
-    args.variants = parse_variants(args.variants, ("untiled", "tiled"))
+    args.variants = parse_variants(args.variants, ("untiled", "tiled", "tiled+proj"))
     return args
 
 

@@ -1,16 +1,16 @@
 """What is alive at the peak of a long-context training step: every allocation live at the moment the GPU's
 allocated bytes peak, grouped by what made it, in bytes per token.
 
-One step (forward + backward) of a Llama-shaped model (``--model 8b``, ``--layers`` of it, bf16, sdpa,
-non-reentrant checkpointing per layer, one sequence of ``--tokens``) under a tiling ``--variant`` (the parts
-of ``bench_longctx.configure``: ``untiled``, ``loss+norms+offload``, ...; ``--qlora``: bench_qlora's 4-bit model with LoRA, ``--autocast``: under
-bf16 autocast), recorded with
-``torch.cuda.memory._record_memory_history`` (C++ and Python stacks). The trace is replayed allocation by
-allocation; at the highest point of the bytes allocated *during the step* (weights and inputs, allocated
-before, are left out and reported as ``before``) the live blocks are grouped by their origin: the innermost
-frame outside torch (the Hugging Face, peft or tiledmlp line; ``[recompute]`` inside a checkpoint's recompute),
-else the autograd node whose C++ backward made them (``MmBackward0``, ...), else the innermost torch frame. The table (``--out``, CSV and Markdown) lists each
-group's bytes per token and count, largest first.
+One step (forward + backward) of a Llama-shaped model (``--model 8b``, ``--layers`` of it, bf16, sdpa, non-reentrant
+checkpointing per layer, one sequence of ``--tokens``) under a tiling ``--variant`` (the parts of
+``bench_longctx.configure``: ``untiled``, ``loss+norms+offload``, ...; ``--qlora``: bench_qlora's 4-bit model with
+LoRA, ``--autocast``: under bf16 autocast), recorded with ``torch.cuda.memory._record_memory_history`` (C++ and
+Python stacks). The trace is replayed allocation by allocation; at the highest point of the bytes allocated *during
+the step* (weights and inputs, allocated before, are left out and reported as ``before``) the live blocks are
+grouped by their origin: the innermost frame outside torch (the Hugging Face, peft or tiledmlp line; ``[recompute]``
+inside a checkpoint's recompute), else the autograd node whose C++ backward made them (``MmBackward0``, ...), else
+the innermost torch frame. The table (``--out``, CSV and Markdown) lists each group's bytes per token and count,
+largest first.
 
     python3 benchmarks/profile_layer_memory.py --model 8b --layers 2 --tokens 65536 --variant loss+norms+offload
     python3 benchmarks/profile_layer_memory.py --smoke     # the replay and grouping on a made-up trace (CPU)
@@ -46,8 +46,9 @@ BACKWARD_NODE = re.compile(r"(\w+Backward\w*)::apply")
 
 def origin(frames: list[dict[str, Any]]) -> str:
     """What made a block (``frames`` innermost first): the innermost Python frame outside torch
-    (``modeling_llama.py:forward:123``; ``via`` the innermost Python frame where torch code allocated; marked ``[recompute]`` under a checkpoint's recompute), else the autograd
-    node whose C++ backward allocated it (``MmBackward0``), else the innermost Python frame at all."""
+    (``modeling_llama.py:forward:123``; ``via`` the innermost Python frame where torch code allocated; marked
+    ``[recompute]`` under a checkpoint's recompute), else the autograd node whose C++ backward allocated it
+    (``MmBackward0``), else the innermost Python frame at all."""
     python = [f for f in frames if f.get("filename", "").endswith(".py")]
     recompute = any(f["filename"].endswith("checkpoint.py") and "recompute" in f["name"] for f in python)
     for frame in python:

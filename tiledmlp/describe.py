@@ -1,18 +1,18 @@
 """What tiling did to a model: one :class:`TileInfo` per tiled module, and the log lines of
 ``enable_tiling``.
 
-``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``,
-``"mlp"``: the fast forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's
-own forward, recomputed (also a whole MoE block whose experts the MoE form cannot compute); ``"norm"``: a
-normalization layer on the generic form (``enable_tiling(norms=True)``); ``"loss"``: the tiled LM head +
-cross-entropy), why it is generic when it is, which strategy serves it under the model's
-current wrapping, what its calls do inside ``torch.compile``d code (``under_compile``: one operator in the
-graph, or the eager call), and how a call of ``seq_len`` tokens would be cut (shards, tokens per shard,
-intermediate blocks) with the scratch that costs. Scratch is what the
-shard policy sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and
-one ``dh`` block per backward shard), the MoE form's rows (at the model config's top-k), a normalization
-layer's float32 copies, the loss's scratch budget; for the generic form it depends on the module's own
-forward and is not estimated.
+``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``, ``"mlp"``: the fast
+forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's own forward, recomputed (also a
+whole MoE block whose experts the MoE form cannot compute); ``"norm"``: a normalization layer on the generic form
+(``enable_tiling(norms=True)``); ``"proj"``: a LoRA-adapted projection (``enable_tiling(projections=True)``, its
+fast form or, with the reason, the generic one); ``"loss"``: the tiled LM head + cross-entropy), why it is generic
+when it is, which strategy serves it under the model's current wrapping, what its calls do inside ``torch.compile``d
+code (``under_compile``: one operator in the graph, or the eager call), and how a call of ``seq_len`` tokens would
+be cut (shards, tokens per shard, intermediate blocks) with the scratch that costs. Scratch is what the shard policy
+sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and one ``dh`` block per backward
+shard), the MoE form's rows (at the model config's top-k), a normalization layer's or LoRA projection's float32
+copies of its input, the loss's scratch budget; for the generic form it depends on the module's own forward and is
+not estimated.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class TileInfo:
     """How one module is tiled (see the module docstring)."""
 
     name: str
-    form: str  # "glu", "mlp", "generic", "moe", "norm" or "loss"
+    form: str  # "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
     strategy: str
     reason: str  # why the module is generic ("" otherwise)
     computes: str  # what a fast form computes, in the module's names ("" for the others)
@@ -79,13 +79,16 @@ class Description(dict):
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
         infos = list(self.values())
-        mlps = [i for i in infos if i.form not in ("loss", "norm")]
+        mlps = [i for i in infos if i.form not in ("loss", "norm", "proj")]
         forms = {f: sum(i.form == f for i in mlps) for f in ("glu", "mlp", "moe", "generic")}
         parts = [f"tiled {len(mlps)} MLP{'s' if len(mlps) != 1 else ''}"
                  + (": " + ", ".join(f"{n} {f}" for f, n in forms.items() if n) if mlps else "")]
         norms = sum(i.form == "norm" for i in infos)
         if norms:
             parts.append(f"{norms} normalization layer{'s' if norms != 1 else ''}")
+        projections = sum(i.form == "proj" for i in infos)
+        if projections:
+            parts.append(f"{projections} LoRA projection{'s' if projections != 1 else ''}")
         heads = [i.name or "<root>" for i in infos if i.form == "loss"]
         if heads:
             parts.append(f"loss tiled at {', '.join(heads)}")
@@ -153,6 +156,14 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     layout = spec.layout
     if isinstance(layout, ExpertsLayout):
         return _moe_info(base, state, params, tokens)
+    if state.kind == "proj":  # sized by float32 copies of its input, and a 4-bit weight's dequantized copy
+        owner = spec.slots[0].owner  # the base layer: a 4-bit weight is packed, a Conv1D's is [in, out]
+        hidden = getattr(owner, "in_features", None) or owner.nx
+        rows = spec.generic_rows(tokens, hidden)
+        dequantized = sum(q.module.in_features * q.module.out_features * torch.finfo(
+            getattr(q.module, "compute_dtype", None) or torch.bfloat16).bits // 8 for _, q in spec.quantized)
+        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
+                        scratch_bytes=rows * norm_scratch_per_token(hidden) + dequantized)
     if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
         norm = state.kind == "norm"
         hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)

@@ -53,7 +53,8 @@ from .logs import warn_once, warn_once_traced
 from .lora import changed_adapters
 from .mlp_form import MLPLayout
 from .norms import recognize_norm
-from .quant import quantized_problem
+from .projections import recognize_projection
+from .quant import quantized_linear, quantized_problem
 from .recognize import Recognized, hidden_sizes, linear_like, recognize_mlp
 from .recognize_moe import experts_interface, recognize_experts
 from .runtime import TiledCallSpec
@@ -120,9 +121,11 @@ def _is_moe(module: nn.Module) -> bool:
 
 def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
               form: str = "auto", root: Optional[nn.Module] = None,
-              experts_seen: Optional[dict[int, Recognized]] = None, norms: bool = False) -> Optional[Recognized]:
+              experts_seen: Optional[dict[int, Recognized]] = None, norms: bool = False,
+              projections: bool = False) -> Optional[Recognized]:
     """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
-    recognized MLP block (or, with ``norms``, normalization layer). A MoE block with ``include_moe=False`` is
+    recognized MLP block (or, with ``norms``, normalization layer; with ``projections``, LoRA-adapted
+    projection). A MoE block with ``include_moe=False`` is
     ``"excluded"``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
     MoE block's recognition already probed (by ``id``), so that a later call for the experts module itself does
     not probe again."""
@@ -156,6 +159,10 @@ def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe
         rec = recognize_norm(module, forward, slots)
         if rec is not None:
             return rec
+    if projections:
+        rec = recognize_projection(module, slots)
+        if rec is not None:
+            return rec
     if form == "auto" and experts_interface(module, forward):
         rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
         return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
@@ -171,7 +178,7 @@ class TilingState:
     """Everything the patched forward of one module needs."""
 
     spec: TiledCallSpec
-    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm" or "loss"
+    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
     input_name: str
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
@@ -222,7 +229,10 @@ class TilingState:
             run = self.spec.prepare(strategy, module, _original_forward(module), x, params, not generic, token_inputs)
             with record_function("tiledmlp::forward"):
                 outs = forward_shards(run.call, run.x, run.params, run.token_inputs)
-        if run.call.form.returned_tuple or len(outs) != 1 or outs[0] is None or outs[0].shape != x.shape:
+        # A fast form's output has the input's tokens and the width its weight says (a projection's may differ).
+        shaped = len(outs) == 1 and outs[0] is not None and (
+            outs[0].shape == x.shape if generic else outs[0].shape[:-1] == x.shape[:-1])
+        if run.call.form.returned_tuple or not shaped:
             # Only a generic-form module can get here: its outputs were sized (in the graph) like its input.
             raise RuntimeError(
                 f"{self.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
@@ -471,11 +481,13 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
                   state.kind)
     changed = changed_adapters(state.adapters) if fast and state.adapters else []
-    if changed and all(getattr(module, a.child, None) is not a.layer for a in state.adapters):
+    if changed and state.kind != "proj" and all(getattr(module, a.child, None) is not a.layer
+                                                   for a in state.adapters):
         state, changed = _adapters_unloaded(module, state), []  # merge_and_unload(): plain projections now
     if changed:  # merged, disabled, switched or rescaled: the fast form would compute the recognized adapter
         fast = False
-        state.fallback = f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the generic form"
+        state.fallback = (f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the "
+                          "generic form")
         warn_once(("adapters", state.spec.name, tuple(changed)), _ADAPTERS_TAKE_GENERIC, state.spec.name,
                   "; ".join(changed), state.kind)
     problem = quantized_problem(state.spec.quantized, x) if fast and state.spec.quantized else ""
@@ -554,19 +566,24 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
 
 def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
          include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
-         loss: Optional[LossOptions] = None, norms: bool = False, loss_required: bool = True) -> dict[str, TilingState]:
+         loss: Optional[LossOptions] = None, norms: bool = False, loss_required: bool = True,
+         projections: bool = False) -> dict[str, TilingState]:
     """Recognize and validate every MLP (with ``loss``, every causal-LM head; with ``norms``, every
-    normalization layer) of ``model`` without changing anything. ``loss_required``: a head that cannot be
+    normalization layer; with ``projections``, every LoRA-adapted projection outside them and outside the
+    heads) of ``model`` without changing anything. ``loss_required``: a head that cannot be
     tiled (or none) is an error; otherwise (``enable_tiling``'s default) it is logged and left as it is.
     ValueError, naming what was found, when nothing would be tiled."""
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
     excluded: list[str] = []  # MoE blocks that include_moe=False leaves untiled
     experts_seen: dict[int, Recognized] = {}  # MoE blocks' experts, probed once
+    # A causal LM's output embeddings belong to its loss (tiled or not), never to a projection's tiling.
+    heads = {id(lm.get_output_embeddings()) for _, lm in find_causal_lms(model)} if projections else set()
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms)
+        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms,
+                        projections=projections and id(module) not in heads)
         if rec is None:
             continue
         label = name or type(module).__name__
@@ -584,7 +601,7 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.moe_block, norm=rec.kind == "norm", grad_accum_dtype=grad_accum_dtype,
+                             is_moe=rec.moe_block, norm=rec.kind in ("norm", "proj"), grad_accum_dtype=grad_accum_dtype,
                              quantized=rec.quantized)
         names = _input_names(_original_forward(module))
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),
@@ -624,6 +641,12 @@ def _traced_call(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
     slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
     if rec.kind == "norm":  # maps its parameters' width to itself
         return TracedCall(slot_paths, -1, 0, (rec.slots[0].get().shape[0],))
+    if rec.kind == "proj" and rec.layout is not None:  # sized by the weight's output features
+        return TracedCall(slot_paths, rec.layout.proj.weight, 1 if rec.layout.proj.transposed else 0)
+    if rec.kind == "proj":  # generic: the operator's output is sized like its input (a projection that keeps the
+        base = module.base_layer  # width), and bitsandbytes' packed 4-bit weight is no tensor an operator can take
+        keeps_width = base.in_features == base.out_features and quantized_linear(base) is None
+        return TracedCall(slot_paths, -1, 0, (base.in_features,)) if keeps_width else None
     if rec.layout is None:
         widths = hidden_sizes([lin for lin in (linear_like(n, c) for n, c in module.named_children()) if lin])
         return TracedCall(slot_paths, -1, 0, tuple(widths)) if widths and not rec.moe_block else None

@@ -22,6 +22,7 @@ from .distributed.tensor_parallel import Localized
 from .forms import ModuleForm, Slot
 from .mlp_form import MLPForm, MLPLayout
 from .moe_form import GATE_ATTRS, ExpertsLayout, MoEForm
+from .proj_form import ProjForm, ProjLayout
 from .function import TileCall, run_tiled
 from .quant import QuantizedLinear, QuantizedMLPForm, compute_dtype_of, quant_state_of
 from .sharding import ShardPolicy, moe_scratch_per_token
@@ -69,9 +70,12 @@ class TiledCallSpec:
     name: str
     slots: tuple[Slot, ...]
     policy: ShardPolicy
-    layout: Optional[MLPLayout | ExpertsLayout] = None  # the fast form's layout over slot indices; None: generic
+    # the fast form's layout over slot indices; None: the generic form
+    layout: Optional[MLPLayout | ExpertsLayout | ProjLayout] = None
     is_moe: bool = False  # a whole MoE block on the generic form
-    norm: bool = False  # a normalization layer on the generic form (``tiledmlp.norms``): shards sized by its copies
+    # a normalization layer (generic form) or a LoRA projection (``tiledmlp.norms``, ``tiledmlp.projections``):
+    # shards sized by float32 copies of its input
+    norm: bool = False
     grad_accum_dtype: Optional[torch.dtype] = None
     # The fast form's 4-bit weights (``tiledmlp.quant``): (slot index, the layer that owns it)
     quantized: tuple[tuple[int, QuantizedLinear], ...] = ()
@@ -87,8 +91,8 @@ class TiledCallSpec:
             return outs if run.call.form.returned_tuple else run.local.finish(outs[0])
 
     def generic_rows(self, tokens: int, hidden: int) -> int:
-        """Tokens per shard of the generic form: a normalization layer's sized by its float32 copies, another
-        module's by the anchors' rule (``ShardPolicy``)."""
+        """Tokens per shard of the generic form: a normalization layer's or a LoRA projection's sized by float32
+        copies of its input, another module's by the anchors' rule (``ShardPolicy``)."""
         return (self.policy.norm_rows if self.norm else self.policy.shard_rows)(tokens, hidden)
 
     def prepare(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
@@ -114,6 +118,13 @@ class TiledCallSpec:
             shard_rows = forward_rows = self.policy.moe_rows(tokens, per_token)
             gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
             form = MoEForm(lay, gate_fn)
+        elif isinstance(lay, ProjLayout):  # a LoRA projection (tiledmlp.projections), 4-bit base or not
+            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
+            c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
+            shard_rows = forward_rows = self.generic_rows(tokens, hidden)
+            form = ProjForm(lay, quantized, c)
+            if accum is None:
+                accum = lay.default_grad_accum_dtype
         elif lay is not None:
             # 4-bit weights (tiledmlp.quant): sized by their compute dtype, the down projection's by its quant state
             quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}

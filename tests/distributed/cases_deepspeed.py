@@ -22,7 +22,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
-from cases_hf import VOCAB as HF_VOCAB, hf_loss, lora_llama, mixtral, qlora_llama, tile_lora
+from cases_hf import (VOCAB as HF_VOCAB, hf_loss, lora_llama, lora_llama_everywhere, mixtral, qlora_llama,
+                      tile_lora, tile_projections)
 from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
                     count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
                     use_apply)
@@ -230,6 +231,14 @@ def zero3_hf_qlora(env: Env) -> dict[str, Any]:
     once per pass after the gather."""
     return untiled_vs_tiled(env, qlora_llama(), config(3, env), hf_batches(env, HF_VOCAB),
                             tile=tile_lora(quantized=True, tile_tokens=16))
+
+
+@case
+def zero3_hf_lora_projections(env: Env) -> dict[str, Any]:
+    """LoRA on attention and MLP with ``projections=True``: each projection's frozen base gathered for its backward
+    (its input gradient) as untiled, its adapters' gradients handed to the engine once."""
+    return untiled_vs_tiled(env, lora_llama_everywhere, config(3, env), hf_batches(env, HF_VOCAB),
+                            tile=tile_projections(tile_tokens=16))
 
 
 @case

@@ -52,28 +52,46 @@ def qwen2_moe() -> nn.Module:
     return Qwen2MoeForCausalLM(config)
 
 
+MLP_PROJS = ["gate_proj", "up_proj", "down_proj"]
+ATTENTION_PROJS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 def lora_llama() -> nn.Module:
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=MLP_PROJS)
     return get_peft_model(llama(), config)
 
 
-def qlora_llama(storage: torch.dtype = torch.uint8) -> Callable[[], nn.Module]:
-    """QLoRA: a Llama whose MLP projections are bitsandbytes 4-bit (nf4, double-quantized, float32 compute; packed
-    in ``storage``, float32 for FSDP2, as ``bnb_4bit_quant_storage`` does) with LoRA on them, the rest frozen."""
+def lora_llama_everywhere() -> nn.Module:
+    """LoRA on the attention projections too (``projections=True`` tiles them), adapters nonzero."""
+    model = get_peft_model(llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                               target_modules=MLP_PROJS + ATTENTION_PROJS))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    return model
+
+
+def qlora_llama(storage: torch.dtype = torch.uint8, attention: bool = False) -> Callable[[], nn.Module]:
+    """QLoRA: a Llama whose MLP projections (and with ``attention`` its attention projections) are bitsandbytes 4-bit
+    (nf4, double-quantized, float32 compute; packed in ``storage``, float32 for FSDP2, as ``bnb_4bit_quant_storage``
+    does) with LoRA on them, the rest frozen."""
+    attention_projs = ATTENTION_PROJS if attention else []
+
     def build() -> nn.Module:
         import bitsandbytes as bnb
 
         model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, **{**_SHAPE, "hidden_size": 64}))
         for layer in model.model.layers:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                lin = getattr(layer.mlp, name)
+            for parent, name in [(layer.mlp, n) for n in MLP_PROJS] + [(layer.self_attn, n) for n in attention_projs]:
+                lin = getattr(parent, name)
                 q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
                                       quant_type="nf4", quant_storage=storage)
                 q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
                                              quant_storage=storage, module=q)
-                setattr(layer.mlp, name, q.to("cpu"))
+                setattr(parent, name, q.to("cpu"))
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=["gate_proj", "up_proj", "down_proj"]))
+                                                 target_modules=MLP_PROJS + attention_projs))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -89,6 +107,21 @@ def tile_lora(quantized: bool = False, **options: Any) -> Callable[[nn.Module], 
         infos = [i for i in tiledmlp.describe(model).values() if i.form != "loss"]  # the loss is tiled by default
         assert infos and all(i.form == "glu" and "LoRA adapters" in i.computes for i in infos), infos
         assert all(("4-bit nf4" in i.computes) == quantized for i in infos), infos
+    return tile
+
+
+def tile_projections(quantized: bool = False, **options: Any) -> Callable[[nn.Module], None]:
+    """``enable_tiling(projections=True)``, and a check that every MLP took the GLU form and every attention
+    projection the fast projection form (4-bit or not)."""
+    def tile(model: nn.Module) -> None:
+        tiledmlp.enable_tiling(model, projections=True, **options)
+        infos = tiledmlp.describe(model)
+        projs = [i for i in infos.values() if i.form == "proj"]
+        assert sorted(n.rsplit(".", 1)[-1] for n, i in infos.items() if i.form == "proj") == sorted(
+            ATTENTION_PROJS * 2), infos
+        assert all("backward recomputes only" in i.computes and ("4-bit" in i.computes) == quantized
+                   for i in projs), projs
+        assert sum(i.form == "glu" for i in infos.values()) == 2, infos
     return tile
 
 
@@ -262,6 +295,26 @@ def hf_qlora_fsdp2(env: Env) -> dict[str, Any]:
     unsharded packed bytes, the quantization state from the layer."""
     recipe = _recipe(env, qlora_llama(torch.float32), fsdp2(env, LlamaDecoderLayer),
                      tile=tile_lora(quantized=True, tile_tokens=16))
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
+def hf_peft_lora_projections_ddp(env: Env) -> dict[str, Any]:
+    """LoRA on attention and MLP, ``projections=True``: each adapted projection's gradients reach DDP once."""
+    return untiled_vs_tiled(_recipe(env, lora_llama_everywhere, ddp(env), tile=tile_projections(tile_tokens=16)), env)
+
+
+@case
+def hf_peft_lora_projections_fsdp2(env: Env) -> dict[str, Any]:
+    recipe = _recipe(env, lora_llama_everywhere, fsdp2(env, LlamaDecoderLayer), tile=tile_projections(tile_tokens=16))
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
+def hf_qlora_projections_fsdp2(env: Env) -> dict[str, Any]:
+    """QLoRA with 4-bit attention projections tiled too, under FSDP2 (packed in float32)."""
+    recipe = _recipe(env, qlora_llama(torch.float32, attention=True), fsdp2(env, LlamaDecoderLayer),
+                     tile=tile_projections(quantized=True, tile_tokens=16))
     return untiled_vs_tiled(recipe, env)
 
 

@@ -28,7 +28,8 @@ STANDARD = {
 }
 #: recomputing a module whose input needs no gradient reads frozen weights that the untiled backward,
 #: which kept the activations, does not gather again
-RECOMPUTE_GATHERS = {"zero3_hf_lora": "deepspeed", "zero3_hf_qlora": "deepspeed"}
+RECOMPUTE_GATHERS = {"zero3_hf_lora": "deepspeed", "zero3_hf_qlora": "deepspeed",
+                     "zero3_hf_lora_projections": "deepspeed"}
 SPECIAL = {"zero3_bf16", "zero3_prefetch_trace_stable", "deepspeed_refusals", "zero3_enable_after_steps"}
 
 

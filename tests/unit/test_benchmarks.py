@@ -79,11 +79,14 @@ def test_bench_qlora_smoke(tmp_path, autocast):
     rows = bench_qlora.main(["--smoke", "--out", str(tmp_path)] + (["--autocast"] if autocast else []))
     assert (tmp_path / "bench_qlora_cpu_smoke.csv").stat().st_size > 0
     by = {(r["kind"], r["variant"]): r for r in rows}
-    assert set(by) == {(k, v) for k in ("mlp", "mlp+ckpt", "step") for v in ("untiled", "tiled")}
+    assert set(by) == {(k, v) for k in ("mlp", "mlp+ckpt") for v in ("untiled", "tiled")} | {
+        ("step", v) for v in ("untiled", "tiled", "tiled+proj")}
     assert by["mlp", "tiled"]["forms"] == "glu" and by["step", "tiled"]["forms"] == "glu+loss+norm"
+    assert by["step", "tiled+proj"]["forms"] == "glu+loss+norm+proj"
     assert by["mlp", "untiled"]["forms"] == "" and all(r["time_s"] > 0 and r["autocast"] is autocast for r in rows)
     tol = 2e-2 if autocast else 1e-5
-    assert abs(by["step", "tiled"]["loss"] - by["step", "untiled"]["loss"]) <= tol * abs(by["step", "untiled"]["loss"])
+    for variant in ("tiled", "tiled+proj"):
+        assert abs(by["step", variant]["loss"] - by["step", "untiled"]["loss"]) <= tol * abs(by["step", "untiled"]["loss"])
 
 
 def test_profile_layer_memory_smoke(tmp_path):

@@ -27,7 +27,7 @@ def test_block_runs(index, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}",
-                2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['glu', 'loss']", 4: "['glu', 'loss']",
+                2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['glu', 'loss']", 4: "['glu', 'loss', 'proj']",
                 5: "fsdp2+tp"}[index]
     assert expected in last, proc.stdout[-2000:]
 

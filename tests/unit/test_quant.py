@@ -225,13 +225,17 @@ def qlora(path) -> nn.Module:
     return model
 
 
-def test_qlora_model_trains_like_untiled_over_several_steps(checkpoint):
+@pytest.mark.parametrize("projections", [False, True])
+def test_qlora_model_trains_like_untiled_over_several_steps(checkpoint, projections):
     """A tiny Llama loaded with BitsAndBytesConfig(load_in_4bit=True), LoRA on attention and MLP, the loss tiled
-    (its head stays in full precision): three SGD steps, losses and adapters as untiled."""
-    ref = qlora(checkpoint)
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, loss_scratch_mib=0.01)
-    forms = {n: i.form for n, i in tiledmlp.describe(tiled).items()}
-    assert sorted(forms.values()) == ["glu", "glu", "loss"], forms
+    (its head stays in full precision), with ``projections`` the 4-bit q and v projections too: three SGD steps,
+    losses and adapters as untiled."""
+    ref = qlora(checkpoint).train()  # from_pretrained leaves eval mode, where bitsandbytes' CPU kernels round in bf16
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, loss_scratch_mib=0.01, projections=projections)
+    infos = tiledmlp.describe(tiled, seq_len=4096)
+    forms = {n: i.form for n, i in infos.items()}
+    assert sorted(forms.values()) == ["glu", "glu", "loss"] + ["proj"] * (4 if projections else 0), forms
+    assert all("4-bit nf4 base weight" in i.computes for i in infos.values() if i.form == "proj")
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (tiled, ref)]
     for step in range(3):
         ids = torch.randint(256, (2, 45), generator=torch.Generator().manual_seed(step))
