@@ -11,6 +11,10 @@ Variants:
                    labels afterwards, as the recipes do).
 * ``tiled``        ``tiledmlp.enable_tiling(model)`` (MLPs and loss), the loss ``tiledmlp.sequence_loss``.
 * ``tiled+offload+norms``  the same with ``norms=True, offload="cpu"``.
+* ``ring``, ``ring+tiled+offload+norms``  torch's ring attention (``context_parallel``, GPUs only) instead of
+                   Ulysses, untiled and tiled: load-balanced chunks (a head and a tail chunk per rank), grouped KV
+                   heads repeated at their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query
+                   path, so K and V are ``heads / kv_heads`` times larger), every attention causal without a mask.
 
 Each variant's head and first-MLP gradients, summed over the ranks (the whole sequence's), are compared with the
 untiled run's (``grad_rel``, the largest relative difference): the ALST stack's head gradient comes out multiplied
@@ -28,13 +32,14 @@ model's peak at T plus the other layers' weights. Rank 0 writes ``benchmarks/res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared machines
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -54,7 +59,8 @@ from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
 from bench_mlp import fmt, parse_variants, save_results  # noqa: E402
 
-VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms")
+RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
+VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms") + RING
 COLUMNS = ("variant", "T", "world", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
@@ -82,15 +88,43 @@ def configure(model: nn.Module, variant: str) -> None:
     tiledmlp.disable_tiling(model)
     for m in model.modules():
         m.__dict__.pop("forward", None)  # the alst variant's instance forwards
-    if variant == "alst":
+    tiling = variant.removeprefix("ring").removeprefix("+")
+    if tiling == "alst":
         use_deepspeed_tiled_mlp(model)
-    elif variant.startswith("tiled"):
-        extra = dict(norms=True, offload="cpu") if "offload" in variant else {}
+    elif tiling.startswith("tiled"):
+        extra = dict(norms=True, offload="cpu") if "offload" in tiling else {}
         tiledmlp.enable_tiling(model, **extra)
 
 
-def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device) -> dict[str, Any]:
-    """One step (forward + backward) on this rank's part of a ``tokens``-long sequence."""
+@contextlib.contextmanager
+def torch_ring(model: nn.Module, sdpa: Any) -> Iterator[None]:
+    """``model`` under torch's ring attention for one step: transformers' own ``sdpa`` (which Ulysses' registration
+    replaced), grouped KV heads repeated, every attention called causal without a mask (the ring takes none)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def causal_without_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "attention_mask": None, "is_causal": True}
+
+    ulysses = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    repeated = tiledmlp.repeat_kv_heads(model) if model.config.num_key_value_heads != model.config.num_attention_heads \
+        else None
+    hooks = [m.register_forward_pre_hook(causal_without_mask, with_kwargs=True, prepend=True)
+             for name, m in model.named_modules() if name.endswith("self_attn")]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if repeated is not None:
+            repeated.remove()
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses
+
+
+def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device,
+            ring: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
+    """One step (forward + backward) on this rank's part of a ``tokens``-long sequence. ``ring``: the ``cp`` device
+    mesh and transformers' sdpa, for the ring variants."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     part = tokens // world
     cut = slice(rank * part, (rank + 1) * part)
@@ -108,10 +142,21 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     begin = time.perf_counter()
     if variant == "alst":
         loss = alst_loss(model, **inputs, shift=shift[:, cut], group=group)
+        loss.backward()
+    elif variant in RING:
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh, sdpa = ring
+        buffers = [ids.clone(), shift.contiguous(), positions.clone()]  # cut in place into this rank's chunks
+        with torch_ring(model, sdpa), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                       no_restore_buffers=set(buffers)):
+            loss = tiledmlp.sequence_loss(model, buffers[1], group, grads_averaged_over=1, input_ids=buffers[0],
+                                          position_ids=buffers[2])
+            loss.backward()
     else:
         # No wrapper reduces the gradients here: each rank's are its share (summed below for the comparison).
         loss = tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), group, grads_averaged_over=1, **inputs)
-    loss.backward()
+        loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - begin
@@ -135,7 +180,7 @@ def grad_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> floa
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=None, help="comma-separated (default: all; on CPUs all but the ring's)")
     parser.add_argument("--seq-lens", default=None, help="comma-separated (default 262144,524288)")
     parser.add_argument("--model", choices=sorted(MODELS), default="8b")
     parser.add_argument("--layers", type=int, default=None)
@@ -144,7 +189,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
     args = parser.parse_args(argv)
     args.seq_lens = [int(t) for t in (args.seq_lens or ("256" if args.smoke else "262144,524288")).split(",")]
-    args.variants = parse_variants(args.variants, VARIANTS)
+    on_gpus = torch.cuda.is_available() and not args.smoke
+    args.variants = parse_variants(args.variants or ",".join(v for v in VARIANTS if on_gpus or v not in RING),
+                                   VARIANTS)
+    ring = [v for v in args.variants if v in RING]
+    if ring and not on_gpus:
+        parser.error(f"{', '.join(ring)}: torch's ring attention has no CPU kernels; run on GPUs, or drop them "
+                     f"from --variants")
     return args
 
 
@@ -165,14 +216,22 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(size, max(args.seq_lens), device, dtype)
     model.config.use_cache = False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # before Ulysses' registration replaces it (the ring variants call it)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, micro_batch_size=1)
     group = mpu.get_sequence_parallel_group()
+    ring = None
+    if any(v in RING for v in args.variants):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ring = (init_device_mesh("cuda", (world,), mesh_dim_names=("cp",)), sdpa)
     rows, reference = [], {}
     for tokens in args.seq_lens:
         for variant in args.variants:
             configure(model, variant)
             try:
-                result = measure(model, variant, tokens, group, device)
+                result = measure(model, variant, tokens, group, device, ring)
             except torch.OutOfMemoryError:
                 result = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grads": {}}
             grads = result.pop("grads")

@@ -33,6 +33,11 @@ sequence::
     python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py --wrap zero3 --sp 2 \
         --hidden 4096 --intermediate 14336 --layers 4 --heads 32 --kv-heads 8 --vocab 128256 \
         --seq-len 262144 --batch-size 1 --tile-tokens auto --dtype bfloat16 --grad-ckpt --steps 4
+
+``--sp-backend ring`` splits it with torch's ring attention instead (``context_parallel``, GPUs only): FSDP2 over
+a ``dp_shard x cp`` mesh, load-balanced chunks (each rank a head and a tail chunk), grouped KV heads repeated at
+their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query path), each attention called
+causal without a mask (what accelerate does: the ring takes none).
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="sequence parallelism: each sequence split across this many ranks by DeepSpeed's Ulysses "
                          "(its all-to-all around sdpa), the loss tiledmlp.sequence_loss; with --wrap ddp, fsdp2 or "
                          "zero3 over all ranks")
+    dp.add_argument("--sp-backend", choices=("ulysses", "ring"), default="ulysses",
+                    help="how --sp splits: DeepSpeed's Ulysses (all-to-all around sdpa), or torch's ring attention "
+                         "(context_parallel; GPUs, --wrap fsdp2)")
     dp.add_argument("--use-orig-params", action="store_true", help="FSDP1 with original parameters")
     dp.add_argument("--tiling", choices=("auto", "off"), default="auto",
                     help="auto: enable_tiling(strategy='auto') after wrapping; off: untiled")
@@ -124,6 +132,7 @@ class Dist:
     device: torch.device
     sp: int = 1  # ranks per sequence (--sp)
     sp_mpu: object = None  # DeepSpeed's sequence-parallel groups (Ulysses), with --sp
+    cp_mesh: object = None  # the ("dp_shard", "cp") device mesh of torch's ring, with --sp-backend ring
 
     @property
     def main(self) -> bool:
@@ -222,7 +231,9 @@ def wrap(model: nn.Module, args: argparse.Namespace, env: Dist) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(env.device.type, (env.world,))
+        # Under the ring, FSDP2 shards over every rank of the dp_shard x cp mesh (and averages the gradients there).
+        mesh = (init_device_mesh(env.device.type, (env.world,)) if env.cp_mesh is None
+                else env.cp_mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
         for layer in [m for m in model.modules() if isinstance(m, _decoder_layer_type())]:
@@ -244,16 +255,37 @@ def batches(args: argparse.Namespace, env: Dist) -> list[torch.Tensor]:
     return [torch.randint(args.vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(args.steps)]
 
 
-def step_loss(model: nn.Module, tokens: torch.Tensor, args: argparse.Namespace, env: Dist) -> torch.Tensor:
-    """The step's loss: the model's own, or with --sp the whole sequence's from this rank's part of it."""
+@contextlib.contextmanager
+def sequence_part(tokens: torch.Tensor, args: argparse.Namespace, env: Dist) -> Iterator[Optional[dict]]:
+    """This rank's part of the step's sequences with --sp (None without): ``input_ids``, ``shift_labels`` (shifted
+    before the split) and global ``position_ids``. Ulysses: a consecutive cut. The ring: torch's
+    ``context_parallel`` cuts them (load-balanced chunks), and the step's forward and backward run in its context."""
     if args.sp == 1:
+        yield None
+        return
+    shift = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:].contiguous()
+    positions = torch.arange(args.seq_len, device=tokens.device).expand_as(tokens).contiguous()
+    names = ("input_ids", "shift_labels", "position_ids")
+    if env.cp_mesh is None:
+        part = args.seq_len // args.sp
+        cut = slice(env.sp_rank * part, (env.sp_rank + 1) * part)
+        yield {name: t[:, cut].contiguous() for name, t in zip(names, (tokens, shift, positions))}
+        return
+    from torch.distributed.tensor.experimental import context_parallel
+
+    buffers = [tokens.clone(), shift, positions]  # cut in place
+    with context_parallel(env.cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                          no_restore_buffers=set(buffers)):
+        yield dict(zip(names, buffers))
+
+
+def step_loss(model: nn.Module, tokens: torch.Tensor, part: Optional[dict], env: Dist) -> torch.Tensor:
+    """The step's loss: the model's own, or with --sp the whole sequence's from this rank's ``part`` of it."""
+    if part is None:
         return model(input_ids=tokens, labels=tokens).loss
-    part = args.seq_len // args.sp
-    cut = slice(env.sp_rank * part, (env.sp_rank + 1) * part)
-    shift = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:]  # shifted before the split
-    positions = torch.arange(args.seq_len, device=tokens.device).expand_as(tokens)
-    return tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), env.sp_mpu.get_sequence_parallel_group(),
-                                  input_ids=tokens[:, cut].contiguous(), position_ids=positions[:, cut].contiguous())
+    group = env.sp_mpu.get_sequence_parallel_group() if env.cp_mesh is None else env.cp_mesh["cp"].get_group()
+    return tiledmlp.sequence_loss(model, part["shift_labels"], group, input_ids=part["input_ids"],
+                                  position_ids=part["position_ids"])
 
 
 def compute_context(args: argparse.Namespace, env: Dist) -> Callable[[], ContextManager]:
@@ -313,7 +345,7 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
-    model = wrap(build_model(args), args, env)
+    model = wrap(ready_for_the_ring(build_model(args), env), args, env)
     if tiled:
         tile_tokens = None if args.num_shards is not None else args.tile_tokens
         tile_loss = args.tile_loss == "on"
@@ -334,15 +366,16 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
         _sync(env)
         start = time.perf_counter()
         count = counting_saved_bytes(model, saved) if step == 0 else contextlib.nullcontext()
-        with autocast(), count:
-            loss = step_loss(model, tokens, args, env)
-        if args.wrap == "zero3":  # the engine owns backward and the optimizer
-            model.backward(loss)
-            model.step()
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with sequence_part(tokens, args, env) as part:
+            with autocast(), count:
+                loss = step_loss(model, tokens, part, env)
+            if args.wrap == "zero3":  # the engine owns backward and the optimizer
+                model.backward(loss)
+                model.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
         _sync(env)
         seconds = time.perf_counter() - start
@@ -411,12 +444,15 @@ def summarize(label: str, result: Result, env: Dist) -> None:
 
 def with_sequence_parallel(env: Dist, args: argparse.Namespace) -> Dist:
     """--sp: DeepSpeed's Ulysses over groups of ``args.sp`` consecutive ranks (its attention registered with
-    transformers in place of sdpa); exits naming the fix for what it cannot split."""
+    transformers in place of sdpa), or torch's ring over the ``cp`` dimension of a ``dp_shard x cp`` mesh; exits
+    naming the fix for what it cannot split."""
     if args.sp == 1:
         return env
     if not dist.is_initialized() or env.world % args.sp:
         raise SystemExit(f"--sp {args.sp} needs a world of a multiple of {args.sp} processes under torchrun, got "
                          f"{env.world}")
+    if args.sp_backend == "ring":
+        return with_ring(env, args)
     if args.seq_len % args.sp or args.heads % args.sp:
         raise SystemExit(f"--sp {args.sp} splits the sequence and the attention heads: --seq-len ({args.seq_len}) "
                          f"and --heads ({args.heads}) must be multiples of it")
@@ -429,6 +465,42 @@ def with_sequence_parallel(env: Dist, args: argparse.Namespace) -> Dist:
     mpu = UlyssesSPAttentionHF.register_with_transformers(build_model(args), "sdpa", args.sp,
                                                           micro_batch_size=args.batch_size)
     return Dist(env.rank, env.world, env.device, args.sp, mpu)
+
+
+def with_ring(env: Dist, args: argparse.Namespace) -> Dist:
+    """--sp-backend ring: the ``(dp_shard, cp)`` mesh, ``cp`` of ``args.sp`` consecutive ranks."""
+    if args.wrap != "fsdp2":
+        raise SystemExit("--sp-backend ring shards the model with FSDP2 over a dp_shard x cp mesh: use --wrap fsdp2")
+    chunk = args.seq_len / (2 * args.sp)  # load balancing: each rank a head and a tail chunk of every sequence
+    if chunk != int(chunk) or (args.dtype == "float32" and chunk % 32):
+        raise SystemExit(f"--sp-backend ring cuts each sequence into 2 x {args.sp} chunks, each a multiple of 32 tokens "
+                         f"in float32 (torch's ring merges the efficient kernel's log-sum-exp, padded to 32): "
+                         f"--seq-len ({args.seq_len}) must be a multiple of {2 * args.sp * 32}")
+    if env.device.type != "cuda":
+        raise SystemExit("--sp-backend ring needs GPUs: torch's ring attention has no CPU kernels; on CPUs use "
+                         "--sp-backend ulysses")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (env.world // args.sp, args.sp), mesh_dim_names=("dp_shard", "cp"))
+    return Dist(env.rank, env.world, env.device, args.sp, cp_mesh=mesh)
+
+
+def ready_for_the_ring(model: nn.Module, env: Dist) -> nn.Module:
+    """Under torch's ring: grouped KV heads repeated at their projections (its SDPA has no grouped-query path), and
+    every attention called causal without a mask (it takes none; transformers would build one from the cut
+    positions) — what accelerate's context parallelism does. Anything else: ``model`` as is."""
+    if env.cp_mesh is None:
+        return model
+    if model.config.num_key_value_heads != model.config.num_attention_heads:
+        tiledmlp.repeat_kv_heads(model)
+
+    def causal_without_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "attention_mask": None, "is_causal": True}
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(causal_without_mask, with_kwargs=True, prepend=True)
+    return model
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .harness import LAUNCH_TIMEOUT_S, default_nproc
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
+#: train.py takes one GPU per process when there are enough (NCCL), else CPU processes (gloo)
+_ON_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= default_nproc()
 
 
 def run_train(*args: str) -> subprocess.CompletedProcess:
@@ -75,3 +78,28 @@ def test_sequence_parallel_compare_passes(wrap: str) -> None:
 def test_sequence_parallel_refuses_what_it_cannot_split() -> None:
     proc = run_train("--wrap", "ddp", "--sp", "2", "--heads", "3", "--hidden", "96")
     assert proc.returncode != 0 and "--heads (3) must be multiples of it" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--wrap", "ddp"), "use --wrap fsdp2"),
+    (("--wrap", "fsdp2", "--seq-len", "96"), "--seq-len (96) must be a multiple of 128"),
+    pytest.param(("--wrap", "fsdp2"), "torch's ring attention has no CPU kernels",
+                 marks=pytest.mark.skipif(_ON_GPUS, reason="the launch runs on GPUs here")),
+], ids=["not_fsdp2", "chunks", "cpu"])
+def test_ring_refuses_what_it_cannot_split(args: tuple[str, ...], message: str) -> None:
+    """``--sp-backend ring`` (torch's context parallelism): FSDP2 over a dp_shard x cp mesh, chunks of 32 tokens in
+    float32, GPUs; anything else exits naming the fix."""
+    proc = run_train(*args, "--sp", "2", "--sp-backend", "ring")
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _ON_GPUS, reason="torch's ring attention runs on GPUs only")
+def test_ring_compare_passes() -> None:
+    """``--sp 2 --sp-backend ring``: each sequence split by torch's ring (load-balanced chunks, KV heads repeated),
+    FSDP2 over the dp_shard x cp mesh; untiled and tiled train alike, the tiled modules named fsdp2+cp."""
+    proc = run_train("--wrap", "fsdp2", "--sp", "2", "--sp-backend", "ring", "--kv-heads", "2", "--compare",
+                     "--loss-scratch-mib", "0.05")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
+    out = _check_log(proc)
+    assert re.search(r"^\[tiled\] tiled 2 MLPs and the LM head \+ loss, strategies \['fsdp2\+cp'\]", out, re.M), out
+    assert re.search(r"^compare: max relative parameter difference .* -> OK", out, re.M), out

@@ -186,3 +186,12 @@ def test_unknown_names_are_refused():
         bench_mlp.parse_args(["--quick", "--style", "act_fn,magic"])
     with pytest.raises(SystemExit, match="--blocks"):
         bench_moe.parse_args(["--smoke", "--blocks", "magic"])
+
+
+def test_bench_sp_ring_variants_need_gpus(capsys):
+    """torch's ring attention has no CPU kernels: on CPUs the default leaves the ring variants out, and asking for
+    one exits naming it."""
+    assert not set(bench_sp.parse_args(["--smoke"]).variants) & set(bench_sp.RING)
+    with pytest.raises(SystemExit):
+        bench_sp.parse_args(["--smoke", "--variants", "untiled,ring"])
+    assert "ring: torch's ring attention has no CPU kernels" in capsys.readouterr().err
