@@ -61,15 +61,19 @@ def lora_llama() -> nn.Module:
     return get_peft_model(llama(), config)
 
 
-def lora_llama_everywhere() -> nn.Module:
-    """LoRA on the attention projections too (``projections=True`` tiles them), adapters nonzero."""
-    model = get_peft_model(llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                               target_modules=MLP_PROJS + ATTENTION_PROJS))
+def _with_adapters(model: nn.Module, targets: list[str]) -> nn.Module:
+    """peft LoRA (r=4) on ``targets``, its B nonzero (peft starts it at zero: A's gradient would be too)."""
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05)
     return model
+
+
+def lora_llama_everywhere() -> nn.Module:
+    """LoRA on the attention projections too (``projections=True`` tiles them)."""
+    return _with_adapters(llama(), MLP_PROJS + ATTENTION_PROJS)
 
 
 def qlora_llama(storage: torch.dtype = torch.uint8, attention: bool = False) -> Callable[[], nn.Module]:
@@ -90,13 +94,7 @@ def qlora_llama(storage: torch.dtype = torch.uint8, attention: bool = False) -> 
                 q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
                                              quant_storage=storage, module=q)
                 setattr(parent, name, q.to("cpu"))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=MLP_PROJS + attention_projs))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(std=0.05)
-        return model
+        return _with_adapters(model, MLP_PROJS + attention_projs)
     return build
 
 

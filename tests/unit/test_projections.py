@@ -229,3 +229,12 @@ def test_disabled_or_merged_adapters_take_the_generic_form_and_compute_what_peft
     assert_close_rel(got, want, 1e-6, "adapters back")
     infos = tiledmlp.describe(model)
     assert all(i.fallback == "" for i in infos.values() if i.form == "proj")  # the fast form again
+
+
+def test_generation_is_untouched():
+    """Decoding (one token per call under no_grad) runs each projection's own forward: the same tokens as untiled."""
+    ref = lora_model(targets=ATTENTION, use_cache=True).eval()
+    model = tiledmlp.enable_tiling(copy.deepcopy(ref), projections=True, tile_tokens=8)
+    ids = batch(b=1, t=12)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(input_ids=ids, **kwargs), ref.generate(input_ids=ids, **kwargs))
