@@ -35,15 +35,11 @@ class ProjLayout:
 
     proj: Proj
 
-    form = "proj"
     #: the adapters' gradients (what a LoRA run trains) are small: summed in float32
     default_grad_accum_dtype = torch.float32
 
     def remap(self, index: Sequence[int]) -> "ProjLayout":
         return replace(self, proj=self.proj.remap(index))
-
-    def out_features(self, params: Sequence[torch.Tensor]) -> int:
-        return self.proj.w(params).shape[0]
 
 
 class ProjForm:
