@@ -16,6 +16,11 @@ Variants:
                    heads repeated at their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query
                    path, so K and V are ``heads / kv_heads`` times larger), every attention causal without a mask.
 
+``--shard fsdp2`` shards the weights (and their gradients) over the ranks with FSDP2 (a unit per decoder layer and
+the root), as the longest runs need: the loss's gradient is then scaled for FSDP2's average (``sequence_loss``'s
+default) and the whole sequence's gradients are the units' full tensors. (The ALST stack, whose loss calls the
+model's parts directly, runs under DeepSpeed's ZeRO-3 in its recipes, not here.)
+
 Each variant's head and first-MLP gradients, summed over the ranks (the whole sequence's), are compared with the
 untiled run's (``grad_rel``, the largest relative difference): the ALST stack's head gradient comes out multiplied
 by the rank's valid-label count (its loss computes the parameters' gradients in forward with an incoming gradient
@@ -61,7 +66,7 @@ from bench_mlp import fmt, parse_variants, save_results  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms") + RING
-COLUMNS = ("variant", "T", "world", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
+COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
 
@@ -122,9 +127,11 @@ def torch_ring(model: nn.Module, sdpa: Any) -> Iterator[None]:
 
 
 def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device,
-            ring: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
+            ring: Optional[tuple[Any, Any]] = None, sharded: bool = False) -> dict[str, Any]:
     """One step (forward + backward) on this rank's part of a ``tokens``-long sequence. ``ring``: the ``cp`` device
-    mesh and transformers' sdpa, for the ring variants."""
+    mesh and transformers' sdpa, for the ring variants; ``sharded``: the model is FSDP2's (which averages the
+    ranks' gradients), else nothing reduces them."""
+    averaged = None if sharded else 1  # sequence_loss scales the gradient for FSDP2's average, or not at all
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     part = tokens // world
     cut = slice(rank * part, (rank + 1) * part)
@@ -150,12 +157,12 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         buffers = [ids.clone(), shift.contiguous(), positions.clone()]  # cut in place into this rank's chunks
         with torch_ring(model, sdpa), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                                        no_restore_buffers=set(buffers)):
-            loss = tiledmlp.sequence_loss(model, buffers[1], group, grads_averaged_over=1, input_ids=buffers[0],
-                                          position_ids=buffers[2])
+            loss = tiledmlp.sequence_loss(model, buffers[1], group, grads_averaged_over=averaged,
+                                          input_ids=buffers[0], position_ids=buffers[2])
             loss.backward()
     else:
-        # No wrapper reduces the gradients here: each rank's are its share (summed below for the comparison).
-        loss = tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), group, grads_averaged_over=1, **inputs)
+        loss = tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), group, grads_averaged_over=averaged,
+                                      **inputs)
         loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,10 +173,12 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     value = loss.detach().clone()
     if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
         dist.all_reduce(value, group=group)
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-             if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n)}
-    for g in grads.values():  # the whole sequence's gradient: the ranks' shares summed
-        dist.all_reduce(g, group=group)
+    compared = [(n, p.grad) for n, p in model.named_parameters()
+                if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n)]
+    grads = {n: (g.full_tensor() if sharded else g).detach().float().clone() for n, g in compared}
+    if not sharded:  # the whole sequence's gradient: the ranks' shares summed (FSDP2 averaged the scaled ones)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
     return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
             "loss": value.item(), "grads": grads}
 
@@ -186,12 +195,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--shard", choices=("none", "fsdp2"), default="none",
+                        help="fsdp2: the weights sharded over the ranks (a unit per decoder layer and the root)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
     args = parser.parse_args(argv)
     args.seq_lens = [int(t) for t in (args.seq_lens or ("256" if args.smoke else "262144,524288")).split(",")]
     on_gpus = torch.cuda.is_available() and not args.smoke
     args.variants = parse_variants(args.variants or ",".join(v for v in VARIANTS if on_gpus or v not in RING),
                                    VARIANTS)
+    if args.shard == "fsdp2" and "alst" in args.variants:
+        parser.error("alst: its loss calls the model's parts directly, past FSDP2's root unit (its recipes run it "
+                     "under ZeRO-3); drop it from --variants with --shard fsdp2")
     ring = [v for v in args.variants if v in RING]
     if ring and not on_gpus:
         parser.error(f"{', '.join(ring)}: torch's ring attention has no CPU kernels; run on GPUs, or drop them "
@@ -221,6 +235,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # before Ulysses' registration replaces it (the ring variants call it)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, micro_batch_size=1)
     group = mpu.get_sequence_parallel_group()
+    if args.shard == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     ring = None
     if any(v in RING for v in args.variants):
         from torch.distributed.device_mesh import init_device_mesh
@@ -231,14 +253,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         for variant in args.variants:
             configure(model, variant)
             try:
-                result = measure(model, variant, tokens, group, device, ring)
+                result = measure(model, variant, tokens, group, device, ring, sharded=args.shard == "fsdp2")
             except torch.OutOfMemoryError:
                 result = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grads": {}}
             grads = result.pop("grads")
             if variant == "untiled":
                 reference[tokens] = grads
             result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
-            rows.append({"variant": variant, "T": tokens, "world": world, "layers": size["layers"], **result})
+            rows.append({"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"],
+                         **result})
             if dist.get_rank() == 0:
                 print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(result['peak_gib'])} step_s={fmt(result['step_s'])}"
                       f" grad_rel={fmt(result['grad_rel'])}", flush=True)

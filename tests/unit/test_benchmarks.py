@@ -195,3 +195,11 @@ def test_bench_sp_ring_variants_need_gpus(capsys):
     with pytest.raises(SystemExit):
         bench_sp.parse_args(["--smoke", "--variants", "untiled,ring"])
     assert "ring: torch's ring attention has no CPU kernels" in capsys.readouterr().err
+
+
+def test_bench_sp_alst_is_not_run_under_fsdp2(capsys):
+    """The ALST stack's loss calls the model's parts past FSDP2's root unit: --shard fsdp2 refuses it, naming why."""
+    with pytest.raises(SystemExit):
+        bench_sp.parse_args(["--smoke", "--shard", "fsdp2", "--variants", "untiled,alst"])
+    assert "alst: its loss calls the model's parts directly" in capsys.readouterr().err
+    assert bench_sp.parse_args(["--smoke", "--shard", "fsdp2", "--variants", "untiled,tiled"]).shard == "fsdp2"
