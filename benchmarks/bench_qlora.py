@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -148,10 +149,10 @@ def mlp_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict[str, A
                 if variant == "tiled":
                     tiledmlp.enable_tiling(mlp)
                 forms = "+".join(i.form for i in tiledmlp.describe(mlp).values())
-                run = lambda: time_mlp(mlp, tokens, kind == "mlp+ckpt", args, device, dtype)  # noqa: E731
+                run = functools.partial(time_mlp, mlp, tokens, kind == "mlp+ckpt", args, device, dtype)
                 rows.append({"kind": kind, "variant": variant, "T": tokens, "layers": 1, "autocast": args.autocast,
                              "forms": forms,
-                             **run_or_status(run, lambda: free(mlp, device), ("time_s", "peak_gib"))})
+                             **run_or_status(run, functools.partial(free, mlp, device), ("time_s", "peak_gib"))})
                 free(nn.Module(), device)
             untiled, tiled = rows[-2:]
             if all(isinstance(r["time_s"], float) for r in (untiled, tiled)):
@@ -198,8 +199,8 @@ def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, varian
     forms = sorted({i.form for i in tiledmlp.describe(model).values()})
     row = {"kind": kind, "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
            "autocast": args.autocast, "forms": "+".join(forms),
-           **run_or_status(lambda: time_step(model, ids, args, device), lambda: free(model, device),
-                           ("time_s", "peak_gib", "loss"))}
+           **run_or_status(functools.partial(time_step, model, ids, args, device),
+                           functools.partial(free, model, device), ("time_s", "peak_gib", "loss"))}
     print(f"  {kind} T={tokens:>7} {variant:<8} peak_gib={fmt(row['peak_gib'])} time_s={fmt(row['time_s'])}",
           flush=True)
     del model, ids
@@ -209,23 +210,16 @@ def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, varian
 
 def missing_layers_gib(args, device: torch.device, dtype: torch.dtype) -> float:
     """The bytes (GiB) of the decoder layers a ``--layers`` run leaves out: one layer's 4-bit weights, quantization
-    state, norms and adapters (with their gradients), measured on the device, times the missing count."""
+    state, norms and adapters (and the adapters' gradients), read from a one-layer model quantized on the device,
+    times the missing count."""
     full = (SMOKE if args.smoke else MODELS[args.model])["layers"]
     if device.type != "cuda":
         return math.nan
-    free(nn.Module(), device)
-    before = torch.cuda.memory_allocated(device)
     model = qlora_model(argparse.Namespace(**{**vars(args), "layers": 1}), device, dtype, 1)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    everything = torch.cuda.memory_allocated(device) - before
-    layers = model.base_model.model.model.layers
-    outside = everything - sum(sum(t.numel() * t.element_size() for t in layer.state_dict().values())
-                               for layer in layers)
-    per_layer = everything - outside + sum(p.numel() * p.element_size() for p in layers.parameters()
-                                           if p.requires_grad)
-    del model, layers
+    (layer,) = model.base_model.model.model.layers
+    per_layer = sum(t.numel() * t.element_size() for t in layer.state_dict().values()) + sum(
+        p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)  # their gradients
+    del model, layer
     free(nn.Module(), device)
     return per_layer * (full - (args.layers or full)) / 2**30
 

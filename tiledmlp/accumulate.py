@@ -71,6 +71,14 @@ def check_accum_dtype(value: object, option: str) -> Optional[torch.dtype]:
     return value
 
 
+def input_grad_sum(dx_out: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Where a shard's input gradient is summed from its GEMMs: its output rows when they hold the compute dtype or
+    its sum dtype, else a buffer of the sum dtype (the caller copies it into the rows at the end)."""
+    if dx_out.dtype in (compute_dtype, sum_dtype(compute_dtype)):
+        return dx_out
+    return torch.empty(dx_out.shape, dtype=sum_dtype(compute_dtype), device=dx_out.device)
+
+
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``out = a @ b`` (beta = 0: nothing is read from ``out``), with ``out`` of any float dtype."""
     if out.dtype == a.dtype:

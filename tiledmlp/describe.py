@@ -30,6 +30,8 @@ from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .offload import offload_problems, offloaded_layers
 from .patching import TilingState, tiled_states
+from .quant import QuantizedLinear
+from .runtime import TiledCallSpec
 from .moe_form import ExpertsLayout
 from .sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
                        moe_scratch_per_token, norm_scratch_per_token)
@@ -160,10 +162,8 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
         owner = spec.slots[0].owner  # the base layer: a 4-bit weight is packed, a Conv1D's is [in, out]
         hidden = getattr(owner, "in_features", None) or owner.nx
         rows = spec.generic_rows(tokens, hidden)
-        dequantized = sum(q.module.in_features * q.module.out_features * torch.finfo(
-            getattr(q.module, "compute_dtype", None) or torch.bfloat16).bits // 8 for _, q in spec.quantized)
         return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
-                        scratch_bytes=rows * norm_scratch_per_token(hidden) + dequantized)
+                        scratch_bytes=rows * norm_scratch_per_token(hidden) + _dequantized_bytes(spec))
     if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
         norm = state.kind == "norm"
         hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)
@@ -181,15 +181,25 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     if style is not None:  # tensor parallel: each rank tiles its slice of the intermediate dimension
         inter //= style.mesh.size()
     # 4-bit weights: the compute dtype's size, and their dequantized copies beside the shards while a pass runs
-    compute = [getattr(q.module, "compute_dtype", None) or torch.bfloat16 for _, q in spec.quantized]
-    itemsize = torch.finfo(compute[0]).bits // 8 if compute else params[layout.down.weight].element_size()
-    dequantized = sum(q.module.in_features * q.module.out_features for _, q in spec.quantized) * itemsize
+    itemsize = (_compute_itemsize(spec.quantized[0][1]) if spec.quantized
+                else params[layout.down.weight].element_size())
+    dequantized = _dequantized_bytes(spec)
     rows, chunks = policy.mlp_tile(tokens, inter, itemsize, layout.gated)
     forward_rows = policy.mlp_forward_rows(inter, itemsize, rows, layout.gated)
     scratch = dequantized + max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
                                 forward_rows * (2 if layout.gated else 1) * inter * itemsize)
     return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,
                     scratch_bytes=scratch)
+
+
+def _compute_itemsize(q: QuantizedLinear) -> int:
+    """Bytes per element of a 4-bit layer's dequantized weight (its compute dtype's)."""
+    return torch.finfo(getattr(q.module, "compute_dtype", None) or torch.bfloat16).bits // 8
+
+
+def _dequantized_bytes(spec: TiledCallSpec) -> int:
+    """The dequantized copies of a fast form's 4-bit weights, alive while a pass runs."""
+    return sum(q.module.in_features * q.module.out_features * _compute_itemsize(q) for _, q in spec.quantized)
 
 
 def _moe_info(base: dict, state: TilingState, params: list[torch.Tensor], tokens: int) -> TileInfo:

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .accumulate import GradAccumulator, addmm_, mm_into, sum_dtype
+from .accumulate import GradAccumulator, addmm_, input_grad_sum, mm_into, sum_dtype
 from .kernels import glu_backward_, glu_forward, mlp_backward_, mlp_forward
 from .lora import LowRank
 from .sharding import chunk_bounds, dh_blocks
@@ -305,9 +305,8 @@ class MLPForm:
                     proj.adapter.output_grads(grads, d_out, z, params, out_rows, dzs[proj.adapter])
             if dx_out is not None:
                 for d_out, proj, out_rows, _ in buffers:
-                    if dx_acc is None:  # summed straight into the output rows when they hold the compute dtype or float32
-                        direct = dx_out.dtype in (cdt, sum_dtype(cdt))
-                        dx_acc = dx_out if direct else torch.empty(dx_out.shape, dtype=sum_dtype(cdt), device=x.device)
+                    if dx_acc is None:
+                        dx_acc = input_grad_sum(dx_out, cdt)
                         mm_into(dx_acc, d_out, proj.w(params)[out_rows].to(cdt))
                     else:
                         addmm_(dx_acc, d_out, proj.w(params)[out_rows].to(cdt))

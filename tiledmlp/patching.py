@@ -481,9 +481,10 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
                   state.kind)
     changed = changed_adapters(state.adapters) if fast and state.adapters else []
-    if changed and state.kind != "proj" and all(getattr(module, a.child, None) is not a.layer
-                                                   for a in state.adapters):
-        state, changed = _adapters_unloaded(module, state), []  # merge_and_unload(): plain projections now
+    # merge_and_unload() put plain projections in place of the module's LoRA children (a LoRA projection tiled itself,
+    # form proj, is replaced in its parent instead: never called again)
+    if changed and all(a.layer is not module and getattr(module, a.child, None) is not a.layer for a in state.adapters):
+        state, changed = _adapters_unloaded(module, state), []
     if changed:  # merged, disabled, switched or rescaled: the fast form would compute the recognized adapter
         fast = False
         state.fallback = (f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the "
@@ -601,7 +602,8 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             )
         forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
         spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.moe_block, norm=rec.kind in ("norm", "proj"), grad_accum_dtype=grad_accum_dtype,
+                             is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
+                             grad_accum_dtype=grad_accum_dtype,
                              quantized=rec.quantized)
         names = _input_names(_original_forward(module))
         states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", _saved_forward(module),

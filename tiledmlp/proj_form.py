@@ -23,8 +23,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .accumulate import GradAccumulator, mm_into, sum_dtype
+from .accumulate import GradAccumulator, input_grad_sum, mm_into
 from .mlp_form import Proj
+from .quant import dequantized
 
 __all__ = ["ProjLayout", "ProjForm"]
 
@@ -60,11 +61,7 @@ class ProjForm:
         self.float32_sums = () if adapter is None else (adapter.a, adapter.b)
 
     def expand(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """A 4-bit weight dequantized into the compute dtype, once per pass (dropped with it)."""
-        from .quant import dequantize
-
-        return [dequantize(p, self.quantized[i], self.compute_dtype) if i in self.quantized else p
-                for i, p in enumerate(params)]
+        return dequantized(params, self.quantized, self.compute_dtype)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in the dtype bitsandbytes' 4-bit GEMM runs in (a plain weight's GEMM takes ``x`` as it is)."""
@@ -94,10 +91,8 @@ class ProjForm:
         gc, xc = g.to(cdt), xc.to(cdt)
         proj.weight_grad(grads, gc, xc)
         proj.bias_grad(grads, gc)
-        dx = None
-        if dx_out is not None:  # summed straight into the output rows when they hold the compute dtype or float32
-            direct = dx_out.dtype in (cdt, sum_dtype(cdt))
-            dx = dx_out if direct else torch.empty(dx_out.shape, dtype=sum_dtype(cdt), device=x.device)
+        dx = None if dx_out is None else input_grad_sum(dx_out, cdt)
+        if dx is not None:
             mm_into(dx, gc, proj.w(params).to(cdt))
         adapter = proj.adapter
         if adapter is not None:  # from the input and output gradient as given, like peft's adapter

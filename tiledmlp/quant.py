@@ -41,7 +41,8 @@ from torch import nn
 
 from .mlp_form import MLPForm, MLPLayout
 
-__all__ = ["QuantizedLinear", "QuantizedMLPForm", "compute_dtype_of", "dequantizable", "dequantize", "quant_state_of",
+__all__ = ["QuantizedLinear", "QuantizedMLPForm", "compute_dtype_of", "dequantizable", "dequantize", "dequantized",
+           "quant_state_of",
            "quantized_linear", "quantized_problem"]
 
 
@@ -127,6 +128,12 @@ def dequantize(weight: torch.Tensor, state: Any, dtype: torch.dtype) -> torch.Te
     return dequantize_4bit(packed.reshape(-1, 1), into)
 
 
+def dequantized(params: Sequence[torch.Tensor], quantized: dict[int, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensors a pass computes with: each 4-bit weight (index in ``params`` -> its quantization state)
+    dequantized into ``dtype``, once per pass (dropped with the pass), the others as they are."""
+    return [dequantize(p, quantized[i], dtype) if i in quantized else p for i, p in enumerate(params)]
+
+
 class QuantizedMLPForm(MLPForm):
     """The fast form of an MLP with 4-bit projections (see the design note): ``quantized`` maps the index of
     each 4-bit weight among the call's tensors to its quantization state; ``compute_dtype`` is ``c``."""
@@ -138,10 +145,7 @@ class QuantizedMLPForm(MLPForm):
         self.compute_dtype = compute_dtype
 
     def expand(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors a pass computes with: each 4-bit weight dequantized into the compute dtype (once per pass;
-        dropped with the pass)."""
-        return [dequantize(p, self.quantized[i], self.compute_dtype) if i in self.quantized else p
-                for i, p in enumerate(params)]
+        return dequantized(params, self.quantized, self.compute_dtype)
 
     def forward_shard(self, x, params, out=None, side=()):
         if x.dtype == self.compute_dtype:

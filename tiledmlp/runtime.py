@@ -73,9 +73,9 @@ class TiledCallSpec:
     # the fast form's layout over slot indices; None: the generic form
     layout: Optional[MLPLayout | ExpertsLayout | ProjLayout] = None
     is_moe: bool = False  # a whole MoE block on the generic form
-    # a normalization layer (generic form) or a LoRA projection (``tiledmlp.norms``, ``tiledmlp.projections``):
-    # shards sized by float32 copies of its input
-    norm: bool = False
+    # shards sized by float32 copies of the input: a normalization layer (generic form, ``tiledmlp.norms``) or a LoRA
+    # projection (``tiledmlp.projections``)
+    sized_by_copies: bool = False
     grad_accum_dtype: Optional[torch.dtype] = None
     # The fast form's 4-bit weights (``tiledmlp.quant``): (slot index, the layer that owns it)
     quantized: tuple[tuple[int, QuantizedLinear], ...] = ()
@@ -93,7 +93,7 @@ class TiledCallSpec:
     def generic_rows(self, tokens: int, hidden: int) -> int:
         """Tokens per shard of the generic form: a normalization layer's or a LoRA projection's sized by float32
         copies of its input, another module's by the anchors' rule (``ShardPolicy``)."""
-        return (self.policy.norm_rows if self.norm else self.policy.shard_rows)(tokens, hidden)
+        return (self.policy.norm_rows if self.sized_by_copies else self.policy.shard_rows)(tokens, hidden)
 
     def prepare(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                 x: torch.Tensor, tensors: Sequence[torch.Tensor], fast_allowed: bool = True,
@@ -110,6 +110,10 @@ class TiledCallSpec:
         x, tensors, lay = local.x, local.params, local.layout
         tokens = x.numel() // hidden
         accum = self.grad_accum_dtype
+        # A fast form's 4-bit weights (tiledmlp.quant): index among the tensors -> quantization state; the dtype their
+        # GEMMs run in
+        quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized} if lay is not None else {}
+        c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
         if isinstance(lay, ExpertsLayout):
             k = token_inputs[0].shape[-1]
             token_inputs = tuple(t.reshape(tokens, k) for t in token_inputs)
@@ -119,16 +123,11 @@ class TiledCallSpec:
             gate_fn = None if lay.activation is not None else getattr(module, GATE_ATTRS[lay.gated])
             form = MoEForm(lay, gate_fn)
         elif isinstance(lay, ProjLayout):  # a LoRA projection (tiledmlp.projections), 4-bit base or not
-            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
-            c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
             shard_rows = forward_rows = self.generic_rows(tokens, hidden)
             form = ProjForm(lay, quantized, c)
             if accum is None:
                 accum = lay.default_grad_accum_dtype
-        elif lay is not None:
-            # 4-bit weights (tiledmlp.quant): sized by their compute dtype, the down projection's by its quant state
-            quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
-            c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
+        elif lay is not None:  # 4-bit weights sized by their compute dtype, the down projection's by its quant state
             if lay.down.weight in quantized:
                 inter = quantized[lay.down.weight].shape[1]
             else:

@@ -21,7 +21,8 @@ import tiledmlp.runtime
 from tiledmlp.norms import recognize_norm
 from tiledmlp.patching import param_slots
 from tiledmlp.sharding import ShardPolicy, norm_scratch_per_token
-from unit_helpers import assert_close_rel, batch, bf16_signal, build, rel_err
+from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, bf16_signal, build,
+                          rel_err)
 
 H = 48
 
@@ -332,19 +333,7 @@ def test_compiled_layers_keep_one_graph_and_train_like_eager(backend):
     """Per-layer compile with ``fullgraph=True``: a tiled norm is an operator too, and training matches eager."""
     eager = tiledmlp.enable_tiling(build("llama", use_cache=False), norms=True, num_shards=3)
     model = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    for layer in model.model.layers:
-        layer.compile(backend=backend, fullgraph=True)
-    ids = [batch(t=t, seed=t) for t in (41, 29)]
-    for m in (eager, model):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for i in ids:
-            opt.zero_grad()
-            m(input_ids=i, labels=i).loss.backward()
-            opt.step()
-    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-        assert rel_err(q, p) < 1e-5, name
-    torch._dynamo.reset()
+    assert_compiled_layers_train_like_eager(eager, model, model.model.layers, backend, lr=0.1)
 
 
 def test_under_autocast_a_compiled_norm_keeps_the_eager_call_and_says_so(caplog):

@@ -16,7 +16,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 import tiledmlp
-from unit_helpers import assert_close_rel, batch, build, rel_err
+from unit_helpers import assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -194,19 +194,7 @@ def test_compiled_layers_train_like_eager(backend):
     model = copy.deepcopy(eager)
     under = {i.under_compile for i in tiledmlp.describe(model).values() if i.form == "proj"}
     assert under == {"operator"}
-    torch._dynamo.reset()
-    for layer in model.base_model.model.model.layers:
-        layer.compile(backend=backend, fullgraph=True)
-    ids = [batch(t=t, seed=t) for t in (41, 29)]
-    for m in (eager, model):
-        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
-        for i in ids:
-            opt.zero_grad()
-            m(input_ids=i, labels=i).loss.backward()
-            opt.step()
-    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-        assert rel_err(q, p) < 1e-5, name
-    torch._dynamo.reset()
+    assert_compiled_layers_train_like_eager(eager, model, model.base_model.model.model.layers, backend, lr=0.5)
 
 
 def test_disabled_or_merged_adapters_take_the_generic_form_and_compute_what_peft_does(caplog):
