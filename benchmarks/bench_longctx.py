@@ -16,6 +16,8 @@ Variants (the same model object, re-configured between them):
                   inputs in pinned host memory between forward and recompute (``tiledmlp.offload``).
 * ``loss+norms``, ``loss+norms+offload``  the same with ``norms=True``: the RMSNorms tiled too
                   (``tiledmlp.norms``), which takes most of a layer's recompute peak away.
+* ``loss+norms+offload+attn``  and ``attention=True``: the attention core's backward in groups of KV heads
+                  (``tiledmlp.attention``), the largest item left at the peak.
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -55,7 +57,8 @@ import tiledmlp  # noqa: E402
 from bench_mlp import (bench_device, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
                        parse_variants, plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
 
-VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "liger", "mlp+liger")
+VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
+            "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
            "transformers", "liger", "tiledmlp", "date")
@@ -84,12 +87,12 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
 
 def configure(model: nn.Module, variant: str) -> None:
     """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``,
-    ``proj`` (LoRA-adapted projections)."""
+    ``proj`` (LoRA-adapted projections), ``attn`` (the attention core's backward in KV-head groups)."""
     tiledmlp.disable_tiling(model)
     parts = set(variant.split("+"))
     if parts & {"mlp", "loss"}:
         tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
-                               offload="cpu" if "offload" in parts else None)
+                               attention="attn" in parts, offload="cpu" if "offload" in parts else None)
 
 
 def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:

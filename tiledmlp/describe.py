@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from .accumulate import block_scaled
+from .attention import attention_layers
 from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .offload import offload_problems, offloaded_layers
@@ -71,12 +73,14 @@ class Description(dict):
     (:meth:`summary`)."""
 
     def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
-                 not_offloaded: Optional[dict[str, str]] = None) -> None:
+                 not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None) -> None:
         super().__init__(infos)
         self.tokens = tokens
         self.offloaded = list(offloaded)  # modules whose checkpointed inputs wait in host memory
         # modules offload="cpu" was enabled for whose inputs stay on the device now, and why
         self.not_offloaded = dict(not_offloaded or {})
+        # layers attention=True was enabled in -> what their attention calls did (tiledmlp.attention)
+        self.attention = dict(attention or {})
 
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
@@ -105,6 +109,10 @@ class Description(dict):
         if self.not_offloaded:
             parts.append(f"offload='cpu' off for {len(self.not_offloaded)} layers: "
                          f"{sorted(set(self.not_offloaded.values()))[0]}")
+        if self.attention:
+            parts.append(f"attention=True in {len(self.attention)} layers"
+                         + "".join(f" ({n} layers: {what})" for what, n in
+                                   Counter(self.attention.values()).most_common(2)))
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -244,7 +252,7 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
     return Description({name: _info(name, state, strategy, seq_len)
                         for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model),
-                       offload_problems(model))
+                       offload_problems(model), attention_layers(model))
 
 
 def log_summary(model: nn.Module) -> None:

@@ -44,6 +44,7 @@ from .distributed.sequence_parallel import split_of
 from .distributed.strategies import Strategy, owning_units, strategy_for, validate_forced
 from .distributed.tensor_parallel import TPPlan, tp_plan
 from .forms import Slot
+from .attention import reduce_layer_method, remember_norm_output
 from .compiled import autocast_name, module_key, tiled_call
 from .function import backward_shards, forward_shards, in_shard
 from .heads import (OWNER_ATTR, HeadSpec, LossOptions, LossOwner, TiledHeadForward, check_causal_lm,
@@ -373,7 +374,7 @@ def _reduce_method(method: types.MethodType):
     ``getattr(module, name)``, which an unpickled module cannot answer yet); any other method as usual."""
     if method.__func__ is _tiled_method:
         return (tiled_forward_of, (method.__self__,))
-    return method.__reduce__()
+    return reduce_layer_method(method) or method.__reduce__()
 
 
 copyreg.pickle(types.MethodType, _reduce_method)
@@ -499,7 +500,16 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
                   "bitsandbytes' own forward per shard", state.spec.name, problem)
     if fast:
         state.fallback = ""  # describe() says what the last call did
-    return state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
+    out = state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
+    if state.kind == "norm" and not extra:
+        remember_norm_output(out, x, functools.partial(_norm_again, module))
+    return out
+
+
+def _norm_again(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A tiled norm's output computed again from its input: its tiled forward (the same shards, so the same bits),
+    without its hooks (they ran in the forward)."""
+    return module.forward(x)
 
 
 def _adapters_unloaded(module: nn.Module, state: TilingState) -> TilingState:

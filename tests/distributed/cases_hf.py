@@ -269,6 +269,29 @@ def hf_llama_fsdp2_offload_norms(env: Env) -> dict[str, Any]:
     return _offload_case(env, fsdp2(env, LlamaDecoderLayer), loss=True, norms=True)
 
 
+def sdpa_checkpointed_llama() -> nn.Module:
+    model = checkpointed_llama()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+#: attention=True's options in the cases: a scratch budget small enough that the tiny model's attention backward
+#: takes one KV head per call (on CPU ranks; a GPU's float32 SDPA call is left to torch, said)
+ATTENTION = dict(loss=True, norms=True, attention=True, scratch_mib=1e-4)
+
+
+@case
+def hf_llama_ddp_offload_norms_attention(env: Env) -> dict[str, Any]:
+    """The per-token configuration of a long-context step: loss, norms, offload, and the attention core's backward
+    in KV-head groups with q/k/v keeping the input norm's input (``tiledmlp.attention``)."""
+    return _offload_case(env, ddp(env), build=sdpa_checkpointed_llama, **ATTENTION)
+
+
+@case
+def hf_llama_fsdp2_offload_norms_attention(env: Env) -> dict[str, Any]:
+    return _offload_case(env, fsdp2(env, LlamaDecoderLayer), build=sdpa_checkpointed_llama, **ATTENTION)
+
+
 @case
 def hf_peft_lora_ddp(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, lora_llama, ddp(env), tile=tile_lora(tile_tokens=16)), env)

@@ -119,11 +119,13 @@ def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)) for n, w in want.items())
 
 
-def train_without_engine(env: Env, group: Any, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
-    """The split run with no engine: gradients averaged over the group by hand (what DDP over it does)."""
+def train_without_engine(env: Env, group: Any, how: str, tiled: bool, **options: Any) -> tuple[dict[str, torch.Tensor],
+                                                                                         dict]:
+    """The split run with no engine: gradients averaged over the group by hand (what DDP over it does); ``options``
+    go to ``enable_tiling``."""
     model = llama(env.device)
     if tiled:
-        tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
+        tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01, **options)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for micro in batches():
         for ids, labels in micro:
@@ -178,6 +180,18 @@ def ulysses_no_engine(env: Env) -> dict[str, Any]:
     with ulysses(env) as mpu:
         group = mpu.get_sequence_parallel_group()
         runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled)
+                for how in ("trainer", "sequence_loss") for tiled in (False, True)}
+    return _metrics(env, runs)
+
+
+@case
+def ulysses_no_engine_attention(env: Env) -> dict[str, Any]:
+    """``attention=True`` and ``norms=True`` under Ulysses: its all-to-all hands SDPA each rank's heads of the whole
+    sequence (the mode takes that call), and q/k/v keep the input norm's input."""
+    with ulysses(env) as mpu:
+        group = mpu.get_sequence_parallel_group()
+        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(
+                    env, group, how, tiled, attention=True, norms=True, scratch_mib=1e-4)
                 for how in ("trainer", "sequence_loss") for tiled in (False, True)}
     return _metrics(env, runs)
 

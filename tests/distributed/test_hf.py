@@ -34,7 +34,8 @@ CASES = {
 #: layer's __call__, its FSDP2 hooks included). Values: (strategy, tiled modules per checkpointed layer).
 OFFLOAD = {"hf_llama_ddp_offload": ("ddp", 1), "hf_llama_fsdp2_offload": ("fsdp2", 1),
            "hf_llama_ddp_offload_norms": ("ddp", 3), "hf_llama_fsdp2_offload_norms": ("fsdp2", 3),
-           "hf_llama_fsdp2_offload_hooks_in_checkpoint": ("fsdp2", 3)}
+           "hf_llama_fsdp2_offload_hooks_in_checkpoint": ("fsdp2", 3),
+           "hf_llama_ddp_offload_norms_attention": ("ddp", 3), "hf_llama_fsdp2_offload_norms_attention": ("fsdp2", 3)}
 
 
 @pytest.fixture(scope="module")

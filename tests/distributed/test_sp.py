@@ -14,8 +14,8 @@ from .harness import assert_all_checked, launch
 pytest.importorskip("deepspeed", reason="DeepSpeed is the 'deepspeed' test extra: pip install -e '.[test,deepspeed]'")
 pytestmark = pytest.mark.distributed
 
-TRAINING = {"ulysses_no_engine": "plain+sp", "ulysses_zero1": "deepspeed+sp", "ulysses_zero2": "deepspeed+sp",
-            "ulysses_zero3": "deepspeed+sp"}
+TRAINING = {"ulysses_no_engine": "plain+sp", "ulysses_no_engine_attention": "plain+sp", "ulysses_zero1": "deepspeed+sp",
+            "ulysses_zero2": "deepspeed+sp", "ulysses_zero3": "deepspeed+sp"}
 #: engines whose reduction sums the ranks' gradients over the split (the Trainer's aggregation is then off by it)
 SUMS_OVER_THE_SPLIT = {"ulysses_zero1", "ulysses_zero2"}
 TOL = 1e-5

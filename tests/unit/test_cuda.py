@@ -316,3 +316,62 @@ def test_qlora_mlp_bf16_within_untiled_error_on_gpu(input_dtype):
     for key, value in want.items():
         e_untiled, e_tiled = rel_err(untiled[key], value), rel_err(got[key], value)
         assert e_tiled <= 1.25 * e_untiled + 1e-7, (key, e_tiled, e_untiled)
+
+
+def test_grouped_attention_on_gpu_within_sdpa_error_and_smaller_backward():
+    """The flash kernel per group of KV heads (``tiledmlp.attention``) on the GPU: bf16 output and gradients within
+    SDPA's own error against float64, and the backward's peak (above what both keep) at most SDPA's, minus the
+    accumulator and expanded copies of all but one group."""
+    from tiledmlp.attention import grouped_attention
+
+    b, heads, kv, t, d = 1, 32, 8, 8192, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q64 = torch.randn(b, t, heads, d, device="cuda", dtype=torch.float64, generator=gen).transpose(1, 2)
+    k64, v64 = (torch.randn(b, kv, t, d, device="cuda", dtype=torch.float64, generator=gen) for _ in range(2))
+    g64 = torch.randn(b, heads, t, d, device="cuda", dtype=torch.float64, generator=gen)
+    leaves64 = [x.requires_grad_() for x in (q64, k64, v64)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves64, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, leaves64, g64)
+    results, peaks = {}, {}
+    for name in ("sdpa", "grouped"):
+        q, k, v = (x.detach().bfloat16().requires_grad_() for x in leaves64)
+        g = g64.bfloat16()
+        if name == "sdpa":
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = grouped_attention(q, k, v, True, None, 1)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        results[name] = [out.detach().double()] + [x.double() for x in grads]
+        del q, k, v, out, grads
+    for got, base, want in zip(results["grouped"], results["sdpa"], [ref.detach(), *ref_grads]):
+        assert rel_err(got, want) <= 1.1 * rel_err(base, want) + 1e-3
+    # what one group saves against all: (heads - heads / kv) x t x d x (4 bytes of float32 dq + 2 x 2 of dk, dv)
+    saved = (heads - heads // kv) * t * d * 8
+    assert peaks["grouped"] <= peaks["sdpa"] - 0.8 * saved, peaks
+
+
+def test_hf_llama_attention_option_trains_like_untiled_on_gpu():
+    """``enable_tiling(attention=True, ...)`` on a bf16 Llama with grouped KV heads on the GPU: loss and gradients
+    within the untiled bf16 model's error against its float64 twin, and the calls grouped."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref64 = LlamaForCausalLM(config).cuda().double()
+    untiled = copy.deepcopy(ref64).bfloat16()
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(untiled), loss=True, norms=True, attention=True, scratch_mib=1)
+    ids = torch.randint(512, (1, 2048), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    for m in (ref64, untiled, tiled):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert sum(m.__dict__["_tiledmlp_attention_mode"].grouped for m in tiled.modules()
+               if "_tiledmlp_attention_mode" in m.__dict__) == 2
+    for (name, p64), pu, pt in zip(ref64.named_parameters(), untiled.parameters(), tiled.parameters()):
+        assert rel_err(pt.grad.double(), p64.grad) <= 1.5 * rel_err(pu.grad.double(), p64.grad) + 1e-3, name
