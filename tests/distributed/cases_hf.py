@@ -292,6 +292,20 @@ def hf_llama_fsdp2_offload_norms_attention(env: Env) -> dict[str, Any]:
     return _offload_case(env, fsdp2(env, LlamaDecoderLayer), build=sdpa_checkpointed_llama, **ATTENTION)
 
 
+def sdpa_llama() -> nn.Module:
+    model = llama()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@case
+def hf_llama_fsdp1_flat_attention(env: Env) -> dict[str, Any]:
+    """``attention=True`` under FSDP1's flat parameters: q/k/v's weights, views of the flat parameter, get their
+    gradients from the projections that keep the norm's input."""
+    wrap = fsdp1(env, LlamaDecoderLayer, use_orig_params=False)
+    return untiled_vs_tiled(_recipe(env, sdpa_llama, wrap, tile=enable(tile_tokens=16, **ATTENTION)), env)
+
+
 @case
 def hf_peft_lora_ddp(env: Env) -> dict[str, Any]:
     return untiled_vs_tiled(_recipe(env, lora_llama, ddp(env), tile=tile_lora(tile_tokens=16)), env)

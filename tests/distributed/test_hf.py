@@ -27,6 +27,7 @@ CASES = {
     "hf_peft_lora_projections_ddp": "ddp",
     "hf_peft_lora_projections_fsdp2": "fsdp2",
     "hf_qlora_projections_fsdp2": "fsdp2",
+    "hf_llama_fsdp1_flat_attention": "fsdp1",
 }
 #: checkpointed Llama with offload="cpu": backward recomputes each layer, so each tiled module in it is called
 #: once per step in backward (by the checkpoint, as untiled — never per shard): the MLP, and with norms=True
