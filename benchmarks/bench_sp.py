@@ -11,6 +11,9 @@ Variants:
                    labels afterwards, as the recipes do).
 * ``tiled``        ``tiledmlp.enable_tiling(model)`` (MLPs and loss), the loss ``tiledmlp.sequence_loss``.
 * ``tiled+offload+norms``  the same with ``norms=True, offload="cpu"``.
+* ``tiled+offload+norms+attn``  and ``attention=True`` (``tiledmlp.attention``): the SDPA call Ulysses makes on
+                   each rank's heads of the whole sequence with its backward in KV-head groups, q/k/v keeping the
+                   norm's input.
 * ``ring``, ``ring+tiled+offload+norms``  torch's ring attention (``context_parallel``, GPUs only) instead of
                    Ulysses, untiled and tiled: load-balanced chunks (a head and a tail chunk per rank), grouped KV
                    heads repeated at their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query
@@ -65,7 +68,7 @@ from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
 from bench_mlp import fmt, parse_variants, save_results  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
-VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms") + RING
+VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn") + RING
 COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
@@ -98,7 +101,7 @@ def configure(model: nn.Module, variant: str) -> None:
         use_deepspeed_tiled_mlp(model)
     elif tiling.startswith("tiled"):
         extra = dict(norms=True, offload="cpu") if "offload" in tiling else {}
-        tiledmlp.enable_tiling(model, **extra)
+        tiledmlp.enable_tiling(model, attention=tiling.endswith("+attn"), **extra)
 
 
 @contextlib.contextmanager
