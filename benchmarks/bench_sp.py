@@ -107,25 +107,16 @@ def configure(model: nn.Module, variant: str) -> None:
 @contextlib.contextmanager
 def torch_ring(model: nn.Module, sdpa: Any) -> Iterator[None]:
     """``model`` under torch's ring attention for one step: transformers' own ``sdpa`` (which Ulysses' registration
-    replaced), grouped KV heads repeated, every attention called causal without a mask (the ring takes none)."""
+    replaced), and ``tiledmlp.ring_ready`` (grouped KV heads repeated, every attention causal without a mask)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def causal_without_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, "attention_mask": None, "is_causal": True}
 
     ulysses = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
-    repeated = tiledmlp.repeat_kv_heads(model) if model.config.num_key_value_heads != model.config.num_attention_heads \
-        else None
-    hooks = [m.register_forward_pre_hook(causal_without_mask, with_kwargs=True, prepend=True)
-             for name, m in model.named_modules() if name.endswith("self_attn")]
+    ready = tiledmlp.ring_ready(model)
     try:
         yield
     finally:
-        for hook in hooks:
-            hook.remove()
-        if repeated is not None:
-            repeated.remove()
+        ready.remove()
         ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses
 
 

@@ -486,20 +486,10 @@ def with_ring(env: Dist, args: argparse.Namespace) -> Dist:
 
 
 def ready_for_the_ring(model: nn.Module, env: Dist) -> nn.Module:
-    """Under torch's ring: grouped KV heads repeated at their projections (its SDPA has no grouped-query path), and
-    every attention called causal without a mask (it takes none; transformers would build one from the cut
-    positions) — what accelerate's context parallelism does. Anything else: ``model`` as is."""
-    if env.cp_mesh is None:
-        return model
-    if model.config.num_key_value_heads != model.config.num_attention_heads:
-        tiledmlp.repeat_kv_heads(model)
-
-    def causal_without_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, "attention_mask": None, "is_causal": True}
-
-    for name, module in model.named_modules():
-        if name.endswith("self_attn"):
-            module.register_forward_pre_hook(causal_without_mask, with_kwargs=True, prepend=True)
+    """Under torch's ring: ``tiledmlp.ring_ready`` (grouped KV heads repeated at their projections, every attention
+    called causal without a mask — what accelerate's context parallelism does). Anything else: ``model`` as is."""
+    if env.cp_mesh is not None:
+        tiledmlp.ring_ready(model)
     return model
 
 

@@ -13,7 +13,8 @@ Public API:
 * :func:`sequence_loss` — the same for a sequence split across ranks (sequence parallelism): the whole
   sequence's loss from this rank's part.
 * :func:`repeat_kv_heads` — grouped KV heads repeated at their projections, for torch's context parallelism
-  (whose ring attention has no grouped-query path).
+  (whose ring attention has no grouped-query path); :func:`ring_ready` — that, and every attention called causal
+  without a mask, as the ring needs.
 * :func:`checkpoint` — non-reentrant activation checkpointing whose layer inputs wait in host memory
   (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
@@ -30,7 +31,8 @@ from torch import nn
 from .accumulate import check_accum_dtype
 from .attention import attention_scopes, install_attention, uninstall_attention
 from .describe import Description, TileInfo, describe, log_summary
-from .distributed.context_parallel import RepeatedKVHeads, check_grouped_kv_under_cp, repeat_kv_heads
+from .distributed.context_parallel import (RepeatedKVHeads, RingReady, check_grouped_kv_under_cp, repeat_kv_heads,
+                                          ring_ready)
 from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
 from .distributed.sequence_parallel import sequence_loss
 from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
@@ -54,6 +56,8 @@ __all__ = [
     "sequence_loss",
     "repeat_kv_heads",
     "RepeatedKVHeads",
+    "ring_ready",
+    "RingReady",
     "checkpoint",
     "offloaded_layers",
     "register_mlp",

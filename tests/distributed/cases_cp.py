@@ -1,12 +1,14 @@
 """torch's ring context parallelism (``context_parallel``), GPUs only (its SDPA ring has no CPU kernels): FSDP2 over
 a ``dp_shard x cp`` mesh flattened, as torchtitan and accelerate build it; a Llama with grouped KV heads made
-runnable by ``tiledmlp.repeat_kv_heads``; masks dropped for ``is_causal`` as accelerate's hooks do; the loss of
+runnable and masks dropped for ``is_causal`` by ``tiledmlp.ring_ready``, as accelerate's hooks do; the loss of
 each whole sequence from ``tiledmlp.sequence_loss``. Trained untiled and tiled, with and without the ring's load
-balancing (head-tail chunks), against one process on the whole sequences (``cases_sp.reference``). Launched by
-``test_cp.py`` where there are enough GPUs."""
+balancing (head-tail chunks), against one process on the whole sequences (``cases_sp.reference``); and the
+``Trainer`` with accelerate's ``ParallelismConfig(cp_size=world)``, untiled against tiled. Launched by ``test_cp.py``
+where there are enough GPUs."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -24,20 +26,6 @@ CASES, case = registry()
 T = 2 * 2 * 64
 
 
-def _drop_masks(model: nn.Module) -> None:
-    """What accelerate attaches under context parallelism: the ring supports no mask, so each attention module is
-    called with ``is_causal=True`` instead (HF builds a mask from load-balanced, non-contiguous positions)."""
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if "attention_mask" in kwargs:
-            kwargs["attention_mask"] = None
-            kwargs["is_causal"] = True
-        return args, kwargs
-
-    for name, module in model.named_modules():
-        if name.endswith("self_attn"):
-            module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-
-
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
             for n, p in model.named_parameters()}
@@ -52,8 +40,7 @@ def _train(env: Env, tiled: bool, balanced: bool) -> tuple[dict[str, torch.Tenso
     mesh = init_device_mesh(env.device.type, (env.world // 2, 2), mesh_dim_names=("dp_shard", "cp"))
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     model = llama(env.device)
-    tiledmlp.repeat_kv_heads(model)  # torch's ring has no grouped-query path
-    _drop_masks(model)
+    tiledmlp.ring_ready(model)  # KV heads repeated (the ring has no grouped-query path), masks dropped for is_causal
     for layer in model.model.layers:
         fully_shard(layer, mesh=flat)
     fully_shard(model, mesh=flat)
@@ -102,3 +89,45 @@ def cp_fsdp2(env: Env) -> dict[str, Any]:
 def cp_fsdp2_load_balanced(env: Env) -> dict[str, Any]:
     """Head-tail chunks (the ring's default): ranks hold different numbers of valid labels, the first none."""
     return _compare(env, balanced=True)
+
+
+def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor], dict[str, str]]:
+    """Two ``Trainer`` steps with accelerate's ``ParallelismConfig(cp_size=world)``: FSDP2 over the flattened
+    ``dp_shard x cp`` mesh, each sequence cut by ``context_parallel`` (load-balanced) with the labels the Trainer
+    shifts before the cut, accelerate's hooks dropping the masks; SGD, no clipping, float32."""
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import ParallelismConfig
+    from transformers import Trainer, TrainingArguments
+
+    model = llama()
+    tiledmlp.repeat_kv_heads(model)  # torch's ring has no grouped-query path
+    if tiled:
+        tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
+    data = [{"input_ids": ids[0], "labels": labels[0]} for micro in batches(T) for ids, labels in micro]
+    args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=1, report_to=[],
+                             fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
+                                                             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+                             parallelism_config=ParallelismConfig(dp_shard_size=1, cp_size=env.world),
+                             learning_rate=LR, optim="sgd", max_grad_norm=0.0, save_strategy="no",
+                             logging_strategy="no", seed=0)
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        loss = trainer.train().training_loss
+        strategies = tiledmlp.tiled_modules(trainer.model_wrapped) if tiled else {}
+        params = _full_params(trainer.model)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        gc.collect()
+    return loss, params, strategies
+
+
+@case
+def trainer_cp(env: Env) -> dict[str, Any]:
+    """The Trainer with ``cp_size`` = the world: tiled trains as untiled under it (loss and parameters)."""
+    untiled_loss, untiled, _ = _trainer_run(env, tiled=False)
+    tiled_loss, tiled, strategies = _trainer_run(env, tiled=True)
+    return {"losses": [untiled_loss, tiled_loss], "tiled_vs_untiled": _rel(tiled, untiled),
+            "moved": _rel(untiled, {n: p.detach().float().cpu() for n, p in llama().named_parameters()}),
+            "strategies": sorted(set(strategies.values()))}

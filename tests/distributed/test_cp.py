@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch's ring attention runs on CUDA only: "
                                  "needs 2 GPUs (launch/run_distributed_tests.sh 2 on a GPU machine)")]
 CASES = ("cp_fsdp2", "cp_fsdp2_load_balanced")
+TRAINER = "trainer_cp"
 TOL = 1e-4  # the ring's efficient-attention kernel against the reference's eager attention, float32
 
 
@@ -32,5 +33,15 @@ def test_trains_like_one_process_on_the_whole_sequence(suite, case):
         assert m["tiled_vs_untiled"] <= TOL and m["tiled_vs_reference"] <= TOL, m
 
 
+def test_trainer_with_cp_size_trains_as_untiled(suite):
+    """``Trainer`` + ``ParallelismConfig(cp_size=world)``: the tiled model's loss and parameters are the untiled
+    model's under the same Trainer (how the Trainer weighs the ranks' losses is its own: docs/sequence-parallel.md)."""
+    for m in suite.metrics(TRAINER):
+        untiled, tiled = m["losses"]
+        assert abs(tiled - untiled) <= 1e-5 * abs(untiled), m
+        assert m["tiled_vs_untiled"] <= TOL < m["moved"], m
+        assert m["strategies"] == ["fsdp2+cp"], m
+
+
 def test_every_case_checked(suite):
-    assert_all_checked(suite, set(CASES))
+    assert_all_checked(suite, set(CASES) | {TRAINER})

@@ -18,9 +18,11 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import tiledmlp
-from tiledmlp.attention import (GroupedAttentionMode, attention_scopes, attention_scratch_per_token, backend_name,
-                                grouped_attention, kv_heads_per_call, sdpa_kernel_name)
-from unit_helpers import assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err
+from tiledmlp.attention import GroupedAttentionMode, attention_scopes
+from tiledmlp.grouped_attention import (attention_scratch_per_token, backend_name, grouped_attention, kv_heads_per_call,
+                                        sdpa_kernel_name)
+from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err,
+                          train_side_by_side)
 
 #: a budget small enough that the tiny models' calls take one KV head per backward call
 TINY_SCRATCH_MIB = 1e-4
@@ -101,25 +103,6 @@ def test_kv_heads_per_call_fits_the_budget():
         assert fits or per_call == 1
     assert attention_scratch_per_token(32, 128, True, 2) == 32 * 128 * 10  # 40 KiB per token for all heads
     assert attention_scratch_per_token(32, 128, False, 2) == 32 * 128 * 6
-
-
-def train_side_by_side(tiled: nn.Module, ref: nn.Module, steps: int = 3, tol: float = 1e-5, t: int = 37) -> None:
-    """``steps`` SGD steps of each on the same batches: losses, gradients and parameters within ``tol``."""
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (tiled, ref)]
-    for step in range(steps):
-        ids = batch(t=t + step, seed=step)
-        losses = [m(input_ids=ids, labels=ids).loss for m in (tiled, ref)]
-        for loss in losses:
-            loss.backward()
-        assert_close_rel(losses[0].detach(), losses[1].detach(), tol, f"loss of step {step}")
-        for (name, p), q in zip(tiled.named_parameters(), ref.parameters()):
-            if q.requires_grad:
-                assert_close_rel(p.grad, q.grad, 2 * tol, f"{name} at step {step}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    moved = [rel_err(p, q) for (n, p), q in zip(tiled.named_parameters(), ref.parameters()) if q.requires_grad]
-    assert moved and max(moved) <= 2 * tol
 
 
 def scoped(model: nn.Module) -> list[nn.Module]:
@@ -217,11 +200,13 @@ def test_calls_it_cannot_take_run_untouched_and_say_why(caplog):
     assert "an attention mask" in caplog.text
 
 
-def test_eager_attention_and_evaluation_are_reported_not_changed():
+def test_eager_attention_and_evaluation_are_reported_not_changed(caplog):
     model = tiledmlp.enable_tiling(build("llama"), attention=True)  # "eager": matmul and softmax, no SDPA call
     ids = batch(t=19)
-    model(input_ids=ids, labels=ids).loss.backward()
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        model(input_ids=ids, labels=ids).loss.backward()
     assert all("no F.scaled_dot_product_attention call" in what for what in tiledmlp.describe(model).attention.values())
+    assert "a LlamaDecoderLayer layer called no F.scaled_dot_product_attention" in caplog.text
     sdpa = tiledmlp.enable_tiling(sdpa_model("llama"), attention=True, scratch_mib=TINY_SCRATCH_MIB)
     with torch.no_grad():
         sdpa(input_ids=ids)

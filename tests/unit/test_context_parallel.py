@@ -114,3 +114,39 @@ def test_a_model_without_grouped_heads_is_left_as_it_is():
 def test_not_a_module():
     with pytest.raises(TypeError, match="takes an nn.Module"):
         tiledmlp.repeat_kv_heads("model")
+
+
+def test_ring_ready_calls_each_attention_causal_without_a_mask_and_is_undone():
+    """``tiledmlp.ring_ready``: what the ring needs (KV heads repeated, no mask, ``is_causal``) computes what the
+    grouped model computes with its causal mask; ``remove()`` restores the model."""
+    ref = _grouped_model("llama", "sdpa")
+    model = copy.deepcopy(ref)
+    seen = []
+    for m in model.modules():
+        if type(m).__name__ == "LlamaAttention":
+            m.register_forward_pre_hook(lambda _m, args, kwargs: seen.append((kwargs.get("attention_mask"),
+                                                                                 kwargs.get("is_causal"))),
+                                        with_kwargs=True)
+    ready = tiledmlp.ring_ready(model)
+    assert {m.num_key_value_groups for m in model.modules() if hasattr(m, "num_key_value_groups")} == {1}
+    ids = batch(t=23)
+    got, got_grads = _run(model, ids, torch.ones_like(ids))
+    want, want_grads = _run(ref, ids, None)
+    assert seen and all(mask is None and causal is True for mask, causal in seen)
+    torch.testing.assert_close(got, want)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=name)
+    ready.remove()
+    assert {m.num_key_value_groups for m in model.modules() if hasattr(m, "num_key_value_groups")} == {2}
+    seen.clear()
+    _run(model, ids, torch.ones_like(ids))
+    assert all(causal is not True for _, causal in seen)
+
+
+def test_ring_ready_refuses_masks_stricter_than_causal():
+    model = build("mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_attention.*model untouched"):
+        tiledmlp.ring_ready(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(TypeError, match="nn.Module"):
+        tiledmlp.ring_ready("model")

@@ -322,7 +322,7 @@ def test_grouped_attention_on_gpu_within_sdpa_error_and_smaller_backward():
     """The flash kernel per group of KV heads (``tiledmlp.attention``) on the GPU: bf16 output and gradients within
     SDPA's own error against float64, and the backward's peak (above what both keep) at most SDPA's, minus the
     accumulator and expanded copies of all but one group."""
-    from tiledmlp.attention import grouped_attention
+    from tiledmlp.grouped_attention import grouped_attention
 
     b, heads, kv, t, d = 1, 32, 8, 8192, 128
     gen = torch.Generator(device="cuda").manual_seed(0)

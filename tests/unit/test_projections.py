@@ -16,7 +16,8 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 import tiledmlp
-from unit_helpers import assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err
+from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err,
+                          train_side_by_side)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -36,25 +37,6 @@ def lora_model(family: str = "llama", targets: list[str] = ATTENTION + MLP, drop
 
 def forms(model: nn.Module) -> dict[str, str]:
     return {name: info.form for name, info in tiledmlp.describe(model).items()}
-
-
-def train_side_by_side(tiled: nn.Module, ref: nn.Module, steps: int = 3, tol: float = 1e-5) -> None:
-    """``steps`` SGD steps of each on the same batches: losses, adapter gradients and adapters within ``tol``."""
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (tiled, ref)]
-    for step in range(steps):
-        ids = batch(t=37 + step, seed=step)
-        losses = [m(input_ids=ids, labels=ids).loss for m in (tiled, ref)]
-        for loss in losses:
-            loss.backward()
-        assert_close_rel(losses[0].detach(), losses[1].detach(), tol, f"loss of step {step}")
-        for (name, p), q in zip(tiled.named_parameters(), ref.parameters()):
-            if q.requires_grad:
-                assert_close_rel(p.grad, q.grad, 2 * tol, f"{name} at step {step}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    moved = [rel_err(p, q) for (n, p), q in zip(tiled.named_parameters(), ref.parameters()) if q.requires_grad]
-    assert moved and max(moved) <= 2 * tol
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])

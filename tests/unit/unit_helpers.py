@@ -163,3 +163,23 @@ def assert_compiled_layers_train_like_eager(eager: nn.Module, model: nn.Module, 
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert rel_err(q, p) < 1e-5, name
     torch._dynamo.reset()
+
+
+def train_side_by_side(tiled: nn.Module, ref: nn.Module, steps: int = 3, tol: float = 1e-5) -> None:
+    """``steps`` SGD steps of each causal LM on the same batches: losses, trainable parameters' gradients and the
+    parameters after within ``tol`` (relative; gradients and parameters ``2 * tol``)."""
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (tiled, ref)]
+    for step in range(steps):
+        ids = batch(t=37 + step, seed=step)
+        losses = [m(input_ids=ids, labels=ids).loss for m in (tiled, ref)]
+        for loss in losses:
+            loss.backward()
+        assert_close_rel(losses[0].detach(), losses[1].detach(), tol, f"loss of step {step}")
+        for (name, p), q in zip(tiled.named_parameters(), ref.parameters()):
+            if q.requires_grad:
+                assert_close_rel(p.grad, q.grad, 2 * tol, f"{name} at step {step}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    moved = [rel_err(p, q) for (n, p), q in zip(tiled.named_parameters(), ref.parameters()) if q.requires_grad]
+    assert moved and max(moved) <= 2 * tol

@@ -16,6 +16,12 @@ gradients into the projection's. Cost: the K and V activations ``groups`` times 
 ``repeat_kv`` makes them (the attention core's, not the MLP's). A norm over the whole projection (OLMo-2's
 ``k_norm``) or a fused QKV projection cannot be repeated this way: refused, naming the modules.
 
+:func:`ring_ready` does all a transformers model needs before torch's ring, as accelerate's context parallelism does
+it: the KV heads repeated, and each attention module called causal without a mask (the ring takes none, and
+transformers would build one from the cut, non-contiguous positions); a model whose layers mask more than causally
+(sliding-window, chunked attention) is refused, since dropping their mask would train them with full causal
+attention.
+
 :func:`check_grouped_kv_under_cp` is what ``enable_tiling`` and the tiled loss's call run: a model with grouped
 KV heads in SDPA attention whose parameters live on a mesh with a ``cp`` dimension is refused, naming
 :func:`repeat_kv_heads`, before anything is computed or patched.
@@ -31,7 +37,7 @@ from torch import nn
 
 from .sequence_parallel import SequenceSplit, split_of
 
-__all__ = ["RepeatedKVHeads", "repeat_kv_heads", "check_grouped_kv_under_cp"]
+__all__ = ["RepeatedKVHeads", "repeat_kv_heads", "check_grouped_kv_under_cp", "RingReady", "ring_ready"]
 
 logger = logging.getLogger("tiledmlp")
 
@@ -143,3 +149,57 @@ def repeat_kv_heads(model: nn.Module) -> RepeatedKVHeads:
     if not grouped:
         logger.info("tiledmlp.repeat_kv_heads: %s has no grouped KV heads; nothing changed", type(model).__name__)
     return handle
+
+
+def _causal_without_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook on an attention module: no mask, ``is_causal=True``."""
+    return args, {**kwargs, "attention_mask": None, "is_causal": True}
+
+
+def _stricter_than_causal(model: nn.Module) -> list[str]:
+    """The layer types of ``model`` whose mask is stricter than causal (transformers' ``layer_types``; a
+    ``sliding_window`` without them: every layer)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return sorted({t for t in layer_types if t != "full_attention"})
+    return ["sliding_attention"] if getattr(config, "sliding_window", None) else []
+
+
+class RingReady:
+    """What :func:`ring_ready` changed; :meth:`remove` restores it."""
+
+    def __init__(self, repeated: Optional[RepeatedKVHeads], hooks: list[Any]) -> None:
+        self.repeated = repeated
+        self.hooks = hooks
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        if self.repeated is not None:
+            self.repeated.remove()
+
+
+def ring_ready(model: nn.Module) -> RingReady:
+    """Prepare a transformers model for torch's ring attention (``context_parallel``): grouped KV heads repeated
+    (:func:`repeat_kv_heads`) and every attention module (a module named ``*self_attn``) called with
+    ``is_causal=True`` and no mask, as accelerate does under context parallelism. Exact for causal language models
+    without padding (the ring's only mask is causal). A model whose layers use a stricter mask (sliding-window or
+    chunked attention) raises ``ValueError``, model untouched. Memory and communication: those of
+    :func:`repeat_kv_heads`. Returns a handle whose ``remove()`` restores the model."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ring_ready takes an nn.Module, got {type(model).__name__}")
+    stricter = _stricter_than_causal(model)
+    if stricter:
+        raise ValueError(f"{type(model).__name__} has attention layers of type {stricter}: torch's ring attention "
+                         "takes no mask, so they would train with full causal attention; model untouched. Use a "
+                         "full-attention model, or no context parallelism.")
+    attentions = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not attentions:
+        raise ValueError(f"ring_ready found no attention module (named *self_attn) in {type(model).__name__}; "
+                         "model untouched")
+    repeated = repeat_kv_heads(model) if _grouped_attentions(model) else None
+    hooks = [m.register_forward_pre_hook(_causal_without_mask, with_kwargs=True, prepend=True) for m in attentions]
+    return RingReady(repeated, hooks)
