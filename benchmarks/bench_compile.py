@@ -36,8 +36,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_mlp import (SETTLE_SECONDS, bench_device, compile_backend, format_tokens_axis, median_ms,  # noqa: E402
-                       gpu_name, gpu_slug, package_version, plot_lines, print_rows, release_memory, run_or_status,
+from bench_mlp import bench_device, median_ms, release_memory, run_or_status, SETTLE_SECONDS  # noqa: E402
+from mlp_providers import compile_backend  # noqa: E402
+from reporting import (format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines, print_rows,  # noqa: E402
                        save_figure, subplots, write_csv_rows)
 
 SIZES = {  # block -> (full size, smoke size)

@@ -47,7 +47,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from bench_mlp import REPO_ROOT, gpu_name, gpu_slug, package_versions, parse_options, release_memory  # noqa: E402
+from bench_mlp import parse_options, release_memory, REPO_ROOT  # noqa: E402
+from reporting import gpu_name, gpu_slug, package_versions  # noqa: E402
 
 COLUMNS = (
     "wrap", "variant", "rank", "world_size", "tp", "seq_len", "layers", "hidden", "intermediate", "vocab", "grad_ckpt",

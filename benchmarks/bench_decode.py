@@ -34,7 +34,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_longctx import FULL, SMOKE, build_model, sync  # noqa: E402
-from bench_mlp import bench_device, fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
+from bench_mlp import bench_device  # noqa: E402
+from reporting import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
 
 COLUMNS = ("variant", "prompt", "new_tokens", "ms_per_token", "ratio_vs_untiled", "same_tokens", "untiled_runs_agree",
            "gpu_name",

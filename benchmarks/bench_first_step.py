@@ -39,8 +39,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from bench_longctx import MODEL_NAMES, MODELS, SMOKE, VARIANTS, build_model, configure, loss_of, sync  # noqa: E402
-from bench_mlp import (bench_device, fmt, gpu_name, gpu_slug, package_version, parse_variants, print_rows,  # noqa: E402
-                       write_csv_rows)
+from bench_mlp import bench_device, parse_variants  # noqa: E402
+from reporting import fmt, gpu_name, gpu_slug, package_version, print_rows, write_csv_rows  # noqa: E402
 
 COLUMNS = ("variant", "model", "layers", "T", "triton_cache", "build_s", "enable_s", "first_s", "steady_s",
            "overhead_s", "first_compile_s", "compiles", "first_host_alloc_s", "host_buffers", "peak_gib", "gpu_name",

@@ -54,8 +54,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_mlp import (bench_device, fmt, format_tokens_axis, gpu_name, gpu_slug, package_version,  # noqa: E402
-                       parse_variants, plot_lines, print_rows, run_or_status, save_figure, subplots, write_csv_rows)
+from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
+from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
+                       print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
             "liger", "mlp+liger")

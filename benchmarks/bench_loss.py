@@ -40,9 +40,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # the checkout's tiledmlp and the sibling benchmark helpers
 
-from bench_mlp import (bench_device, fmt, format_tokens_axis, median_ms, gpu_name, gpu_slug,  # noqa: E402
-                       package_version, plot_lines, print_rows, release_memory, run_or_status, save_figure,
-                       subplots, write_csv_rows)
+from bench_mlp import bench_device, median_ms, release_memory, run_or_status  # noqa: E402
+from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
+                       print_rows, save_figure, subplots, write_csv_rows)
 
 PROVIDERS = ("hf", "liger", "cce", "tiledmlp", "tiledmlp_fused", "tiledmlp_recompute", "tiledmlp_scaled", "gemms")
 GPU_ONLY = {"liger": "Liger's kernels are Triton", "cce": "Cut Cross-Entropy's kernels are Triton"}

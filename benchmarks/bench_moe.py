@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mlp  # noqa: E402  (the shared measurement machinery)
+import mlp_providers  # noqa: E402
+import reporting  # noqa: E402
 
 BLOCKS = {  # name: (hidden, expert intermediate, experts, top-k)
     "mixtral": (4096, 14336, 8, 2),
@@ -47,10 +49,10 @@ def run_block(name: str, args: argparse.Namespace, device: torch.device, dtype: 
                                      str(experts), "--top-k", str(top_k), "--reps", str(args.reps), "--seq-lens",
                                      ",".join(map(str, args.seq_lens)), "--providers", ",".join(args.providers)]
                                     + (["--smoke"] if args.smoke else []))
-    providers = bench_mlp.available_providers(mlp_args.providers, device, strict=not args.smoke)
-    shape = bench_mlp.Shape(hidden, inter, "silu", "act_fn", True, experts, top_k)
-    state = bench_mlp.master_state_dict(shape, device, dtype, mlp_args.seed)
-    print(f"{bench_mlp.gpu_name(device)}: {name} block {shape}, {dtype}, providers {providers}")
+    providers = mlp_providers.available_providers(mlp_args.providers, device, strict=not args.smoke)
+    shape = mlp_providers.Shape(hidden, inter, "silu", "act_fn", True, experts, top_k)
+    state = mlp_providers.master_state_dict(shape, device, dtype, mlp_args.seed)
+    print(f"{reporting.gpu_name(device)}: {name} block {shape}, {dtype}, providers {providers}")
     rows = []
     for tokens in mlp_args.seq_lens:
         part = bench_mlp.run_sequence_length(tokens, providers, shape, state, mlp_args, device, dtype)
@@ -107,7 +109,7 @@ def run_e2e(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) 
                 break
             finally:
                 bench_mlp.release_memory()
-            print(f"  e2e {variant:<9} T={tokens:>8} " + " ".join(f"{k}={bench_mlp.fmt(v)}" for k, v in rows[-1].items()
+            print(f"  e2e {variant:<9} T={tokens:>8} " + " ".join(f"{k}={reporting.fmt(v)}" for k, v in rows[-1].items()
                                                                  if k in ("step_s", "peak_gib")))
             tokens *= 2
         del model
@@ -119,7 +121,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated: {', '.join(BLOCKS)}")
     parser.add_argument("--seq-lens", default=None, help="comma-separated token counts (default 8192,32768,131072)")
-    parser.add_argument("--providers", default=",".join(bench_mlp.MOE_PROVIDERS))
+    parser.add_argument("--providers", default=",".join(mlp_providers.MOE_PROVIDERS))
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--e2e", action="store_true", help="also the end-to-end 4-layer Qwen3-MoE row")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end row")
@@ -145,11 +147,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> dict[str, list[dict[str, Any]]]:
     args = parse_args(argv)
     device, dtype = bench_mlp.bench_device(args.smoke)
-    meta = {"dtype": str(dtype).removeprefix("torch."), "gpu_name": bench_mlp.gpu_name(device),
-            **bench_mlp.package_versions(),
+    meta = {"dtype": str(dtype).removeprefix("torch."), "gpu_name": reporting.gpu_name(device),
+            **reporting.package_versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     suffix = "_smoke" if args.smoke else ""
-    slug = bench_mlp.gpu_slug(device)
+    slug = reporting.gpu_slug(device)
     args.out.mkdir(parents=True, exist_ok=True)
     written: dict[str, list[dict[str, Any]]] = {}
     for block in args.blocks:
@@ -157,18 +159,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, list[dict[str, Any]]]:
         stem = f"bench_moe_{slug}_{block}{suffix}"
         columns = ("block", "provider", "T", "time_ms", "time_ratio_vs_grouped_mm", "peak_mib", "err_out", "err_dx",
                    "err_w_max", "experts", "top_k", "hidden", "intermediate", *bench_mlp.FIXED_COLUMNS[-9:])
-        bench_mlp.write_csv_rows(args.out / f"{stem}.csv", rows, columns)
+        reporting.write_csv_rows(args.out / f"{stem}.csv", rows, columns)
         hidden, inter, experts, top_k = (SMOKE_BLOCKS if args.smoke else BLOCKS)[block]
         title = f"{meta['gpu_name']} - {block} MoE block H={hidden} I={inter} E={experts} top-{top_k} {meta['dtype']}"
         bench_mlp.write_plot(args.out / f"{stem}.png", [{**r, "style": "act_fn"} for r in rows], title)
-        bench_mlp.print_rows(rows, ("block", "provider", "T", "time_ms", "time_ratio_vs_grouped_mm", "peak_mib",
+        reporting.print_rows(rows, ("block", "provider", "T", "time_ms", "time_ratio_vs_grouped_mm", "peak_mib",
                                     "err_out", "err_dx", "err_w_max"))
         written[stem] = rows
     if args.e2e:
         rows = [{**meta, **row} for row in run_e2e(args, device, dtype)]
         stem = f"bench_moe_e2e_{slug}{suffix}"
-        bench_mlp.write_csv_rows(args.out / f"{stem}.csv", rows, ("variant", "T", "step_s", "peak_gib", "status"))
-        bench_mlp.print_rows(rows, ("variant", "T", "step_s", "peak_gib", "status"))
+        reporting.write_csv_rows(args.out / f"{stem}.csv", rows, ("variant", "T", "step_s", "peak_gib", "status"))
+        reporting.print_rows(rows, ("variant", "T", "step_s", "peak_gib", "status"))
         written[stem] = rows
     return written
 

@@ -57,7 +57,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
-from bench_mlp import bench_device, fmt, gpu_name, median_ms, parse_variants, run_or_status, save_results  # noqa: E402
+from bench_mlp import bench_device, median_ms, parse_variants, run_or_status  # noqa: E402
+from reporting import fmt, gpu_name, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMNS = ("kind", "variant", "T", "layers", "autocast", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss",

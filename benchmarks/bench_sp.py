@@ -65,7 +65,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
-from bench_mlp import fmt, parse_variants, save_results  # noqa: E402
+from bench_mlp import parse_variants  # noqa: E402
+from reporting import fmt, save_results  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn") + RING

@@ -35,7 +35,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from bench_longctx import MODELS, build_model, configure, free, sync  # noqa: E402
-from bench_mlp import gpu_slug  # noqa: E402
+from reporting import gpu_slug  # noqa: E402
 from bench_qlora import qlora_model  # noqa: E402
 
 #: Files whose frames name nothing: the first frame outside them is the allocation's author.

@@ -20,6 +20,7 @@ import bench_qlora  # noqa: E402
 import profile_layer_memory  # noqa: E402
 import bench_sp  # noqa: E402
 import bench_mlp  # noqa: E402
+import mlp_providers  # noqa: E402
 import bench_moe  # noqa: E402
 
 
@@ -120,13 +121,13 @@ def test_bench_compile_smoke(tmp_path):
 
 def test_bench_mlp_styles_smoke(tmp_path):
     """Every MLP style in one run, each against its own eager block; tiledmlp's rows near float64."""
-    styles = ",".join(bench_mlp.STYLES)
+    styles = ",".join(mlp_providers.STYLES)
     bench_mlp.main(["--smoke", "--style", styles, "--out", str(tmp_path)])
     stem = f"bench_mlp_cpu_silu_{styles.replace(',', '-')}_quick"
     rows = _csv(tmp_path / f"{stem}.csv")
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
-    assert {r["style"] for r in rows} == set(bench_mlp.STYLES)
-    for style in bench_mlp.STYLES:
+    assert {r["style"] for r in rows} == set(mlp_providers.STYLES)
+    for style in mlp_providers.STYLES:
         mine = [r for r in rows if r["style"] == style]
         assert {r["provider"] for r in mine} >= {"eager", "tiledmlp", "tiledmlp_fp32acc"}
         for row in mine:
