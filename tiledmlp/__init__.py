@@ -40,7 +40,8 @@ from .distributed.tensor_parallel import has_tp_hooks
 from .loss import tiled_linear_cross_entropy
 from .offload import checkpoint, checkpointed_layers, install_offload, offloaded_layers, uninstall_offload
 from .heads import LossOptions
-from .patching import install, param_slots, plan, register_mlp, tiled_names, uninstall
+from .patching import install, tiled_names, uninstall
+from .planning import param_slots, plan, register_mlp
 from .runtime import TiledCallSpec
 from .sharding import LOSS_MODES, ShardPolicy, auto_num_shards, check_budget_mib
 

@@ -328,7 +328,7 @@ def attention_layers(model: nn.Module) -> dict[str, str]:
 
 
 def reduce_layer_method(method: types.MethodType) -> Optional[tuple]:
-    """How a pickle or copy rebuilds a layer forward installed here (``patching``'s method reducer asks), else
+    """How a pickle or copy rebuilds a layer forward installed here (``tiled_forward``'s method reducer asks), else
     None."""
     if method.__func__ is _layer_method:
         return (_layer_forward_of, (method.__self__,))

@@ -39,7 +39,7 @@ children map that width back to itself (checked when it runs).
 A fast-form module whose children carry hooks uses the generic operator, as its eager call uses the generic
 form. Where the operator cannot be exact (parameters still sharded as DTensors or ZeRO-3 partitions, extra
 arguments, a generic module the graph cannot size, hooks on a MoE experts module's children) the call keeps
-the eager path and one graph break, said once in a log line (``patching.py``).
+the eager path and one graph break, said once in a log line (``tiled_forward.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+
+from .state import STATE_ATTR
 
 __all__ = ["autocast_name", "module_key", "tiled_call"]
 
@@ -66,7 +68,6 @@ def _module(key: torch.Tensor) -> torch.nn.Module:
 
 
 def _state(key: torch.Tensor) -> Any:
-    from .patching import STATE_ATTR  # patching builds on this module
     return _module(key).__dict__[STATE_ATTR]
 
 

@@ -31,9 +31,10 @@ from .attention import attention_layers
 from .distributed.tensor_parallel import read_style
 from .heads import HeadSpec
 from .offload import offload_problems, offloaded_layers
-from .patching import TilingState, tiled_states
+from .patching import tiled_states
 from .quant import QuantizedLinear
 from .runtime import TiledCallSpec
+from .state import TilingState
 from .moe_form import ExpertsLayout
 from .sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
                        moe_scratch_per_token, norm_scratch_per_token)

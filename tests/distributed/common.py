@@ -339,7 +339,7 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
     from unittest import mock
 
     import tiledmlp.function
-    import tiledmlp.patching
+    import tiledmlp.state
 
     found = {"calls": 0, "shards": 0}
     if not enabled:
@@ -352,9 +352,9 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
             found[labels[name]] += 1
         return torch.profiler.record_function(name, *args, **kwargs)
 
-    # The eager path labels in function.py, the compiled one (the custom operator's body) in patching.py.
+    # The eager path labels in function.py, the compiled one (the custom operator's body) in state.py.
     with contextlib.ExitStack() as stack:
-        for module in (tiledmlp.function, tiledmlp.patching):
+        for module in (tiledmlp.function, tiledmlp.state):
             stack.enter_context(mock.patch.object(module, "record_function", counting))
         yield found
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.patching import STATE_ATTR
+from tiledmlp.state import STATE_ATTR
 from mlp_styles import H, STYLES
 from unit_helpers import batch, build, llama_mlp
 

@@ -15,7 +15,7 @@ import tiledmlp
 from tiledmlp import sharding
 from tiledmlp.accumulate import GradAccumulator
 from tiledmlp.mlp_form import MLPForm, MLPLayout, Proj
-from tiledmlp.patching import STATE_ATTR
+from tiledmlp.state import STATE_ATTR
 from unit_helpers import assert_close_rel, assert_grads_match, check_against_untiled, leaf_like, llama_mlp, pair
 
 TOL = 2e-6
@@ -221,7 +221,7 @@ class OneLayer(nn.Module):
 
 
 def test_register_mlp_makes_a_type_recognizable(monkeypatch):
-    monkeypatch.setattr("tiledmlp.patching._REGISTERED", [])
+    monkeypatch.setattr("tiledmlp.planning._REGISTERED", [])
     torch.manual_seed(0)
     model = nn.Sequential(OneLayer())
     with pytest.raises(ValueError, match="register_mlp"):

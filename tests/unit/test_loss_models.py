@@ -16,7 +16,7 @@ import transformers as tf
 import tiledmlp
 from tiledmlp.heads import OWNER_ATTR
 from tiledmlp.lazy_logits import LazyLogits
-from tiledmlp.patching import STATE_ATTR
+from tiledmlp.state import STATE_ATTR
 from unit_helpers import FAMILIES, assert_close_rel, assert_grads_match, batch, build
 
 TOL = 1e-5

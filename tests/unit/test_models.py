@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiledmlp
-from tiledmlp.patching import STATE_ATTR
+from tiledmlp.state import STATE_ATTR
 from unit_helpers import FAMILIES, assert_close_rel, assert_grads_match, batch, build
 
 TOL = 1e-5

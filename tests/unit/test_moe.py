@@ -344,13 +344,13 @@ def test_form_layout_checks_its_gate_function():
 
 def test_each_experts_module_is_probed_once():
     """The MoE block's recognition probes its experts; the experts' own recognition reuses that result."""
-    import tiledmlp.patching as patching
+    import tiledmlp.planning as planning
 
     model = build_moe("qwen2_moe")
     probed = []
-    real = patching.recognize_experts
+    real = planning.recognize_experts
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(patching, "recognize_experts", lambda module, *a: probed.append(module) or real(module, *a))
+        mp.setattr(planning, "recognize_experts", lambda module, *a: probed.append(module) or real(module, *a))
         tiledmlp.enable_tiling(model)
     experts = [layer.mlp.experts for layer in model.model.layers]
     assert len(probed) == len(experts) and all(any(p is e for p in probed) for e in experts)

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import tiledmlp
 import tiledmlp.runtime
 from tiledmlp.norms import recognize_norm
-from tiledmlp.patching import param_slots
+from tiledmlp.planning import param_slots
 from tiledmlp.sharding import ShardPolicy, norm_scratch_per_token
 from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, bf16_signal, build,
                           rel_err)

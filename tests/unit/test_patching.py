@@ -11,7 +11,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
-import tiledmlp.patching as patching
+import tiledmlp.planning as planning
+from tiledmlp.state import STATE_ATTR
 from unit_helpers import assert_close_rel, llama_mlp
 
 
@@ -51,7 +52,7 @@ def test_disable_restores_original_forwards_bit_for_bit():
     tiledmlp.enable_tiling(model, num_shards=4)
     tiled = model(input_ids=ids).logits
     tiledmlp.disable_tiling(model)
-    assert all("forward" not in m.__dict__ and patching.STATE_ATTR not in m.__dict__ for m in model.modules())
+    assert all("forward" not in m.__dict__ and STATE_ATTR not in m.__dict__ for m in model.modules())
     assert torch.equal(model(input_ids=ids).logits, before)
     assert_close_rel(tiled, before, 1e-5, "tiled logits")
 
@@ -60,7 +61,7 @@ def test_enable_twice_reconfigures_without_double_wrapping():
     mlp = llama_mlp()
     tiledmlp.enable_tiling(mlp, num_shards=2)
     tiledmlp.enable_tiling(mlp, num_shards=5)
-    state = mlp.__dict__[patching.STATE_ATTR]
+    state = mlp.__dict__[STATE_ATTR]
     assert state.saved_forward is None  # the class forward, not our first patch
     assert state.spec.policy.num_shards == 5
     tiledmlp.disable_tiling(mlp)
@@ -87,7 +88,7 @@ def test_an_existing_instance_forward_is_kept_and_restored():
 
 def test_failed_call_leaves_the_model_untouched(monkeypatch):
     model = tiny_llama()
-    real = patching.recognize
+    real = planning.recognize
     seen = []
 
     def fail_on_second_mlp(module, *a, **k):
@@ -98,7 +99,7 @@ def test_failed_call_leaves_the_model_untouched(monkeypatch):
                 raise ValueError("boom")
         return rec
 
-    monkeypatch.setattr(patching, "recognize", fail_on_second_mlp)
+    monkeypatch.setattr(planning, "recognize", fail_on_second_mlp)
     with pytest.raises(ValueError, match="boom"):
         tiledmlp.enable_tiling(model)
     assert all("forward" not in m.__dict__ for m in model.modules())

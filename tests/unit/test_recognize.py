@@ -20,7 +20,7 @@ from transformers.models.phi.modeling_phi import PhiMLP
 
 import tiledmlp
 from tiledmlp.accumulate import GradAccumulator
-from tiledmlp.patching import STATE_ATTR
+from tiledmlp.state import STATE_ATTR
 from mlp_styles import H, I, STYLES, InlineGLU, TwoLayer, biased
 from unit_helpers import assert_bf16_within_untiled, build, check_against_untiled, llama_mlp, pair
 
