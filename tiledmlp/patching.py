@@ -27,6 +27,7 @@ log = logging.getLogger("tiledmlp")
 
 __all__ = ["install", "uninstall", "tiled_names", "tiled_states"]
 
+
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:
     """Patch the planned modules. A module (a head and its model's loss patches, a normalization layer) that an
     earlier call tiled and this plan does not is restored: the last ``enable_tiling`` call says what is tiled."""

@@ -32,6 +32,7 @@ log = logging.getLogger("tiledmlp")
 
 __all__ = ["tiled_forward_of"]
 
+
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
     """``(x, rebuild)``: the MLP input and a function that rebuilds the call with a shard in its place.
 
