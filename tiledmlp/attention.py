@@ -10,8 +10,9 @@ Design note — the norm's output, recomputed
 q, k and v keep their input — the input norm's output, ``tokens x hidden`` — for their weight gradients, from the
 layer's recompute to the end of its backward, through the attention core's and the MLP's backward (the peaks).
 With ``norms=True`` that output comes from a tiled norm, which keeps its own input (the layer's input, alive
-anyway) and can compute the output again bit for bit (its tiled forward, the same shards). The tiled norm
-remembers, weakly, which tensor it returned from which input (:func:`remember_norm_output`); a ``F.linear`` call
+anyway) and can compute the output again bit for bit (its tiled forward, the same shards). Under
+``attention=True`` the tiled norm remembers, weakly, which tensor it returned from which input
+(:func:`remember_norm_output`); a ``F.linear`` call
 on that tensor inside an attention scope (below) is computed by :class:`_LinearOfNorm`, which keeps the norm's
 input instead and computes the norm's output again in its backward, after the attention core's: the same GEMMs
 on the same bits, the same gradients; one ``tokens x hidden`` tensor less at the peaks. Cost: the norm once more
@@ -56,6 +57,7 @@ from torch.profiler import record_function
 
 from .grouped_attention import KERNELS, grouped_attention, kv_heads_per_call, sdpa_kernel_name
 from .logs import warn_once
+from .state import STATE_ATTR, TilingState
 
 __all__ = ["remember_norm_output", "GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
            "uninstall_attention", "attention_layers", "reduce_layer_method"]
@@ -66,6 +68,8 @@ _SAVED_ATTR = "_tiledmlp_attention_saved"
 _CHECK_ATTR = "_tiledmlp_attention_check"  # a stack layer's _NoAttentionSeen hook handle
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
+#: _why_not's answer for a call SDPA itself refuses (fewer KV heads without enable_gqa): left to raise, not counted
+_SDPA_REFUSES = "KV heads fewer than query heads without enable_gqa"
 
 
 # --- projections of a tiled norm's output (design note "the norm's output, recomputed") ----------------------------
@@ -77,8 +81,9 @@ _NORM_OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, Callable[[torch.Tensor]
 
 def remember_norm_output(out: torch.Tensor, x: torch.Tensor, recompute: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Called by a tiled normalization layer with its output ``out``, its input ``x`` and ``recompute(x) == out``
-    (bitwise): a projection of ``out`` in an attention scope may then keep ``x`` instead. Eager only; holds
-    neither tensor (an entry goes with its output). Cost: a dictionary entry and a finalizer per call."""
+    (bitwise): a projection of ``out`` in an attention scope may then keep ``x`` instead. Called for the norms of a
+    model with ``attention=True`` only (their state's ``remembers_output``). Eager only; holds neither tensor (an
+    entry goes with its output). Cost: a dictionary entry and a finalizer per call."""
     if not out.requires_grad or not torch.is_grad_enabled():
         return
     key = id(out)
@@ -142,7 +147,7 @@ def _why_not(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float, is_causal
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
         return "inputs not [batch, heads, tokens, head_dim] with KV heads dividing query heads"
     if k.shape[1] != q.shape[1] and not enable_gqa:
-        return ""  # the original call raises for it, as it would untiled
+        return _SDPA_REFUSES
     if is_causal and q.shape[2] != k.shape[2]:
         return "causal attention over more keys than queries (a KV cache)"
     if q.device.type == "cuda":
@@ -190,12 +195,10 @@ class GroupedAttentionMode(TorchFunctionMode):
                                                   for t in (query, key, value)):
             return call()
         why = _why_not(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-        if why or key.shape[1] != query.shape[1] and not enable_gqa:
-            if why:
-                self.untouched[why] += 1
-                warn_once(("attention", why), "attention=True: an attention call runs untiled (its backward holds "
-                          "every head's scratch at once): %s", why)
-            return call()
+        if why == _SDPA_REFUSES:
+            return call()  # it raises, as it would untiled
+        if why:
+            return self._untouched(why, call)
         per_call = kv_heads_per_call(query.shape[2], query.shape[1], key.shape[1], query.shape[-1],
                                      query.element_size(), self.scratch_mib)
         if per_call == key.shape[1]:
@@ -203,12 +206,17 @@ class GroupedAttentionMode(TorchFunctionMode):
             return call()
         kernel = sdpa_kernel_name(query, key, value, is_causal, scale, enable_gqa)
         if kernel not in KERNELS:
-            why = f"torch runs its {kernel} kernel for these inputs, which this path does not call"
-            self.untouched[why] += 1
-            warn_once(("attention", why), "attention=True: an attention call runs untiled: %s", why)
-            return call()
+            return self._untouched(f"torch runs its {kernel} kernel for these inputs, which this path does not call",
+                                   call)
         self.grouped += 1
         return grouped_attention(query, key, value, is_causal, scale, per_call, kernel)
+
+    def _untouched(self, why: str, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The original call, counted under ``why`` and said once."""
+        self.untouched[why] += 1
+        warn_once(("attention", why), "attention=True: an attention call runs untiled (its backward holds every "
+                  "head's scratch at once): %s", why)
+        return call()
 
     @property
     def calls(self) -> int:
@@ -291,10 +299,18 @@ class _NoAttentionSeen:
         self.seen = seen
 
 
+def _norm_states(model: nn.Module) -> list[TilingState]:
+    """The tiling states of ``model``'s tiled normalization layers."""
+    return [m.__dict__[STATE_ATTR] for m in model.modules()
+            if STATE_ATTR in m.__dict__ and m.__dict__[STATE_ATTR].kind == "norm"]
+
+
 def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scratch_mib: Optional[float]) -> None:
     """Run each of ``layers``' forward (:func:`attention_scopes`) under its own :class:`GroupedAttentionMode`
     (restoring any earlier one first)."""
     uninstall_attention(model)
+    for state in _norm_states(model) if layers else ():
+        state.remembers_output = True
     for _, layer in layers:
         layer.__dict__[_SAVED_ATTR] = layer.__dict__.get("forward")
         layer.__dict__[_MODE_ATTR] = GroupedAttentionMode(scratch_mib)
@@ -305,6 +321,8 @@ def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scr
 
 
 def uninstall_attention(model: nn.Module) -> None:
+    for state in _norm_states(model):
+        state.remembers_output = False
     for module in model.modules():
         check = module.__dict__.pop(_CHECK_ATTR, None)
         if check is not None:

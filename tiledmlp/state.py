@@ -52,6 +52,8 @@ class TilingState:
     adapters: tuple = ()  # the fast form's LoRA adapters (tiledmlp.lora), whose state every call checks
     key: Optional[torch.Tensor] = None  # names this module to the compiled call's operators (set by install)
     fallback: str = ""  # calls seen at run time that took the untiled path, and why (describe(); said once in a log)
+    # a normalization layer's outputs are remembered for projections that keep its input (attention=True sets it)
+    remembers_output: bool = False
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def strategy(self, module: nn.Module) -> Strategy:

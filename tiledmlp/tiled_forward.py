@@ -234,7 +234,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
     if fast:
         state.fallback = ""  # describe() says what the last call did
     out = state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
-    if state.kind == "norm" and not extra:
+    if state.remembers_output and not extra:
         remember_norm_output(out, x, functools.partial(_norm_again, module))
     return out
 

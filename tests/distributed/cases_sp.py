@@ -175,25 +175,24 @@ def _metrics(env: Env, runs: dict[str, tuple[dict[str, torch.Tensor], dict]]) ->
     return metrics
 
 
-@case
-def ulysses_no_engine(env: Env) -> dict[str, Any]:
+def _no_engine(env: Env, **options: Any) -> dict[str, Any]:
     with ulysses(env) as mpu:
         group = mpu.get_sequence_parallel_group()
-        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled)
+        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled, **options)
                 for how in ("trainer", "sequence_loss") for tiled in (False, True)}
     return _metrics(env, runs)
+
+
+@case
+def ulysses_no_engine(env: Env) -> dict[str, Any]:
+    return _no_engine(env)
 
 
 @case
 def ulysses_no_engine_attention(env: Env) -> dict[str, Any]:
     """``attention=True`` and ``norms=True`` under Ulysses: its all-to-all hands SDPA each rank's heads of the whole
     sequence (the mode takes that call), and q/k/v keep the input norm's input."""
-    with ulysses(env) as mpu:
-        group = mpu.get_sequence_parallel_group()
-        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(
-                    env, group, how, tiled, attention=True, norms=True, scratch_mib=1e-4)
-                for how in ("trainer", "sequence_loss") for tiled in (False, True)}
-    return _metrics(env, runs)
+    return _no_engine(env, attention=True, norms=True, scratch_mib=1e-4)
 
 
 def _zero(env: Env, stage: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.attention import GroupedAttentionMode, attention_scopes
+from tiledmlp.state import STATE_ATTR
 from tiledmlp.grouped_attention import (attention_scratch_per_token, backend_name, grouped_attention, kv_heads_per_call,
                                         sdpa_kernel_name)
 from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err,
@@ -162,6 +163,19 @@ def test_projections_of_the_norm_keep_its_input_not_its_output():
     plain.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
     kept = plain(input_ids=ids, labels=ids).loss
     assert outputs[0]() is not None
+    del kept
+    # norms tiled without attention=True remember nothing (no per-call bookkeeping where nothing reads it)
+    from tiledmlp import attention
+
+    norms_only = tiledmlp.enable_tiling(copy.deepcopy(ref), norms=True, loss=False)
+    before = len(attention._NORM_OUTPUTS)
+    kept = norms_only(input_ids=ids, labels=ids).loss
+    assert len(attention._NORM_OUTPUTS) == before
+    tiledmlp.enable_tiling(norms_only, norms=True, attention=True, loss=False)
+    kept = norms_only(input_ids=ids, labels=ids).loss
+    assert len(attention._NORM_OUTPUTS) > before
+    tiledmlp.enable_tiling(norms_only, norms=True, loss=False)  # attention off again: the norms stop remembering
+    assert not any(m.__dict__[STATE_ATTR].remembers_output for m in norms_only.modules() if STATE_ATTR in m.__dict__)
     del kept
 
 
