@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench_mlp import cuda_median_ms
-from tiledmlp.accumulate import GradAccumulator
+from tiledmlp.core.accumulate import GradAccumulator
 
 
 def _with_accumulator(dtype: torch.dtype, step):

@@ -5,7 +5,7 @@ One ``LlamaDecoderLayer`` (Llama-3-8B shape by default, SDPA attention, bf16), f
 ``--seq-len`` tokens: untiled / tiled, each without checkpointing and with non-reentrant and
 reentrant ``torch.utils.checkpoint``. The target: tiled+checkpointed no slower than
 untiled+checkpointed (non-reentrant checkpointing's early stop skips the tiled forward during
-recompute; see ``tiledmlp/function.py``). Writes ``bench_checkpoint_<gpu>.csv``.
+recompute; see ``tiledmlp/core/function.py``). Writes ``bench_checkpoint_<gpu>.csv``.
 """
 
 from __future__ import annotations

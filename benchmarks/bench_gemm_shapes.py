@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import bench_mlp as bm
-from tiledmlp import sharding
+from tiledmlp.core import sharding
 
 
 def gemms(rows: int, hidden: int, inter: int, device: torch.device):

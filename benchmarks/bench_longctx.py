@@ -15,7 +15,7 @@ Variants (the same model object, re-configured between them):
 * ``loss+offload`` ``tiledmlp.enable_tiling(model, loss=True, offload="cpu")``: also the checkpointed layer
                   inputs in pinned host memory between forward and recompute (``tiledmlp.offload``).
 * ``loss+norms``, ``loss+norms+offload``  the same with ``norms=True``: the RMSNorms tiled too
-                  (``tiledmlp.norms``), which takes most of a layer's recompute peak away.
+                  (``tiledmlp.recognize.norms``), which takes most of a layer's recompute peak away.
 * ``loss+norms+offload+attn``  and ``attention=True``: the attention core's backward in groups of KV heads
                   (``tiledmlp.attention``), the largest item left at the peak.
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched

@@ -127,8 +127,8 @@ def tiled_mode(provider: str, tokens: int, vocab: int, hidden: int, dtype: torch
     """Which mode tiledmlp runs for this shape (as its loss policy decides)."""
     if not provider.startswith("tiledmlp"):
         return "n/a"
-    from tiledmlp.accumulate import block_scaled
-    from tiledmlp.sharding import loss_budget_bytes, loss_tile
+    from tiledmlp.core.accumulate import block_scaled
+    from tiledmlp.core.sharding import loss_budget_bytes, loss_tile
 
     mode = TILED_MODES[provider]
     tile = loss_tile(tokens, vocab, hidden, torch.finfo(dtype).bits // 8,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import bench_mlp as bm
-from tiledmlp import sharding
+from tiledmlp.core import sharding
 
 DEFAULT_DH_SPLIT = sharding.DH_SPLIT
 

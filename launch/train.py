@@ -413,7 +413,7 @@ def _shards_described(args: argparse.Namespace) -> str:
         mlp = f"automatic shards for MLP calls of {tokens} tokens"
     if args.tile_loss == "off":
         return mlp
-    from tiledmlp.sharding import loss_budget_bytes, loss_tile
+    from tiledmlp.core.sharding import loss_budget_bytes, loss_tile
 
     itemsize = 2 if args.dtype == "bfloat16" else 4
     tile = loss_tile(tokens, args.vocab, args.hidden, itemsize,

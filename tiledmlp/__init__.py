@@ -19,31 +19,42 @@ Public API:
   (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
 * :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
+
+The packages, bottom to top; each imports only from packages listed before it (``docs/design.md`` draws the
+map and follows one call through it):
+
+==============  =================================================================================================
+``kernels``     Triton kernels and their torch fallbacks (GLU, MLP activation, block-scaled sums, cross-entropy
+                rows, grouped expert GEMMs). Imports nothing of tiledmlp.
+``core``        the tiled autograd function and the form protocol, gradient sums, how tokens are cut, the
+                compiled operator, warnings said once.
+``forms``       how one shard is computed from a module's weights: generic, GLU/MLP, MoE experts, LoRA, 4-bit.
+``distributed`` how the model is wrapped and what each wrapper needs (strategies), ZeRO and tensor-parallel
+                mechanics, a sequence split across ranks, hooks inside a tiled module.
+``loss``        the tiled LM head + cross-entropy, Hugging Face causal LMs' patched heads, lazy logits.
+``attention``   attention blocks with less memory per token (``attention=True``).
+``offload``     checkpointed layer inputs in host memory (``offload="cpu"``).
+``recognize``   what is tiled: MLPs by computation, MoE experts, norms, LoRA projections.
+``patching``    what ``enable_tiling`` does to a model: the call spec, per-module state, the plan, the installed
+                forwards, install and undo, the functional call, the report.
+==============  =================================================================================================
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import importlib
+import sys
 
-import torch
-from torch import nn
-
-from .accumulate import check_accum_dtype
-from .attention import attention_scopes, install_attention, uninstall_attention
-from .describe import Description, TileInfo, describe, log_summary
-from .distributed.context_parallel import (RepeatedKVHeads, RingReady, check_grouped_kv_under_cp, repeat_kv_heads,
-                                          ring_ready)
-from .distributed.deepspeed import check_deepspeed_module, is_zero3_param
+from .core.sharding import ShardPolicy, auto_num_shards
+from .distributed.context_parallel import RepeatedKVHeads, RingReady, repeat_kv_heads, ring_ready
+from .distributed.selection import STRATEGY_NAMES
 from .distributed.sequence_parallel import sequence_loss
-from .distributed.strategies import STRATEGY_NAMES, DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
-from .distributed.tensor_parallel import has_tp_hooks
-from .loss import tiled_linear_cross_entropy
-from .offload import checkpoint, checkpointed_layers, install_offload, offloaded_layers, uninstall_offload
-from .heads import LossOptions
-from .patching import install, tiled_names, uninstall
-from .planning import param_slots, plan, register_mlp
-from .runtime import TiledCallSpec
-from .sharding import LOSS_MODES, ShardPolicy, auto_num_shards, check_budget_mib
+from .loss.cross_entropy import tiled_linear_cross_entropy
+from .offload.checkpointing import checkpoint, offloaded_layers
+from .patching.describe import Description, TileInfo, describe
+from .patching.enable import disable_tiling, enable_tiling, tiled_modules
+from .patching.functional import apply_tiled_mlp
+from .patching.planning import register_mlp
 
 __all__ = [
     "enable_tiling",
@@ -68,241 +79,22 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_FORMS = ("auto", "generic")
-_OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
-            "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms", "projections",
-            "attention")
-
-
-def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None, loss: Optional[bool] = None,
-                  **options: Any) -> nn.Module:
-    """Tile every recognized MLP block of ``model`` in place (per instance; the root included), and the LM
-    head + cross-entropy of every Hugging Face causal LM in it (unless ``loss=False``).
-
-    Args:
-        model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
-            before wrapping with ``strategy="auto"``).
-        strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
-            ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (ZeRO 1-3; also detected
-            when tiling is enabled before ``deepspeed.initialize``, from the parameters), ``"tp"``; a forced
-            strategy must match the wrapping.
-        loss: tile the loss (``tiledmlp.heads``): while the model is called with ``labels``, its
-            head returns a placeholder that materializes on demand, and its ``loss_function`` computes
-            the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
-            never exist at once. Without labels the head returns real logits, as before. ``None``
-            (default): wherever a causal LM's head can be tiled (a head that cannot — wrapped by an adapter,
-            a custom loss function, vocabulary-parallel — is logged and left as it is); ``True``: every
-            causal LM's, a ValueError where one cannot be; ``False``: the MLPs only. At long context the
-            logits, not the MLPs, are most of a model's activation memory (README).
-        num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.sharding``):
-            for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
-            the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
-            form ``ceil(tokens / hidden)`` shards.
-        tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
-        inter_chunks: blocks of the intermediate dimension per shard in the fast forms' backward
-            (scratch shrinks by that factor); None: automatic.
-        scratch_mib: backward scratch budget of the fast forms in MiB (default 512: 16384-token
-            shards in two blocks of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
-        form: ``"auto"`` (the fast GLU or plain-MLP form where the probe identifies one, see
-            ``tiledmlp.recognize``) or ``"generic"`` (always the module's own forward).
-        grad_accum_dtype: how shard gradients are summed (``tiledmlp.accumulate``). ``None``: bf16
-            weights in block-scaled float16 (2 bytes per element, the gradient's own memory), other
-            16-bit parameters in float32; ``torch.float32``: every sum in float32 (exact, 4 bytes);
-            ``torch.bfloat16``: the anchors' bf16 running sum.
-        mlp_types: extra module types to tile with the generic form (see :func:`register_mlp`).
-        include_moe: tile MoE blocks (default True).
-        loss_scratch_mib: the tiled loss's scratch budget in MiB: the largest logits chunk, with the
-            rest of a shard's scratch (default: the larger of 256 MiB and the hidden states' size).
-        loss_mode: ``"auto"``, ``"fused"`` (gradients finished in forward: no logits recompute) or
-            ``"recompute"`` (vocabulary chunks, logits recomputed in backward); see ``tiledmlp.loss``.
-        loss_grad_accum_dtype: how the head gradient's shard partials are summed: ``torch.float32``
-            (default, exact) or ``None`` (block-scaled float16 in 2 bytes per element; less exact with
-            many shards). See ``tiledmlp.loss``.
-        offload: ``"cpu"``: keep the inputs of the model's checkpointed layers in pinned host memory from
-            their forward to their recompute, copied on a side stream and prefetched one layer ahead
-            (``tiledmlp.offload``; bit-identical results). Needs Hugging Face non-reentrant checkpointing
-            (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
-            before this call); custom models call :func:`checkpoint` instead. Default None.
-        norms: also tile the normalization layers (RMSNorm, LayerNorm, whatever their class: recognized by
-            what they compute, ``tiledmlp.norms``) with the generic form: each keeps only its input for
-            backward and computes its float32 intermediates one shard at a time (shards sized by
-            ``scratch_mib``), instead of keeping a float32 copy of its input and making several more in
-            backward. At long context with checkpointing this is most of a decoder layer's recompute
-            peak (16-layer Llama-3.2-1B shape at 128K tokens on an H200: 14.95 -> 10.72 GiB with
-            ``offload="cpu"``). Costs one more forward of each norm per shard in backward. Default False.
-        projections: also tile every peft LoRA layer on an ``nn.Linear``, ``Conv1D`` or bitsandbytes 4-bit base
-            outside the tiled MLPs and heads (attention's q, k, v, o: ``tiledmlp.projections``): each keeps only its
-            input for backward, its adapter's per-token copies (peft's float32 casts of the input, the low-rank
-            outputs) exist one shard at a time, and its fast form never recomputes the base projection (no more
-            FLOPs than untiled; an adapter with dropout takes the generic form, said). With LoRA at long context
-            they are most of a checkpointed layer's recompute peak (Llama-3.1-8B QLoRA under bf16 autocast on an
-            H100: 124.8 -> 104.8 KiB per token, the longest sequence 581,632 -> 692,224 tokens;
-            ``docs/integrations.md``). Default False.
-        attention: less memory per token around the attention core (``tiledmlp.attention``): every
-            ``F.scaled_dot_product_attention`` call made in a layer's attention block that needs a gradient and has
-            no mask or dropout runs SDPA's own kernel (cuDNN or flash) with its backward one group of KV heads at a
-            time (``tiledmlp.grouped_attention``), so the float32 dq accumulator and the grouped-KV expanded dk/dv
-            exist for one group, not for all heads (Llama-3.1-8B: 44.1 -> 17.5 KiB per token); with ``norms=True``,
-            q, k and v keep the tiled input norm's input instead of its output and compute the output again in
-            backward. The same values and gradients, no more FLOPs: a Llama-3.1-8B step 96.7 -> 60.6 KiB per token,
-            no slower (``docs/long-context.md``). Calls it cannot take run as before, with the reason logged once
-            and in :func:`describe`. Default False.
-
-    Logs one INFO line (what was tiled, strategies, scratch at 128K tokens) and a WARNING for every
-    module that looks like an MLP but takes the generic form, with the reason; :func:`describe`
-    gives the same per module.
-
-    Returns the same ``model``. Calling it again re-configures (never double-wraps; the loss is tiled
-    if the last call asked for it). On error nothing is changed. A model whose SDPA attention has grouped KV
-    heads and whose parameters live on a mesh with a ``cp`` dimension is refused (torch's ring attention fails on
-    it, tiled or not), naming :func:`repeat_kv_heads`; the tiled loss checks again at each call.
-
-    Memory: each tiled MLP keeps only its input (``tokens * hidden``) for backward, instead of
-    several ``tokens * intermediate`` activations; backward adds one shard's intermediates, one
-    gradient accumulator per trainable parameter (2 bytes per bf16 weight element by default) and a
-    partial-gradient buffer of at most 64 MiB. The tiled loss keeps the head's input gradient and
-    gradient accumulator from its forward to its backward, plus its scratch budget while it runs (no
-    ``tokens x vocab`` tensor). Communication: none added — each parameter's gradient reaches the
-    wrapper once per backward, as untiled.
-    """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
-    check_grouped_kv_under_cp(model)
-    if strategy not in STRATEGY_NAMES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}")
-    form = options.get("form", "auto")
-    if form not in _FORMS:
-        raise ValueError(f"unknown form {form!r}; choose one of {list(_FORMS)}")
-    accum = check_accum_dtype(options.get("grad_accum_dtype"), "grad_accum_dtype")
-    extra_types = tuple(options.get("mlp_types", ()))
-    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in extra_types):
-        raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
-    policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
-                         inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
-    if loss is not None and not isinstance(loss, bool):
-        raise TypeError(f"loss must be None (the default: tiled where the model has an LM head it can tile), True "
-                        f"or False, got {loss!r}")
-    loss_options = None if loss is False else _loss_options(options)
-    offload_layers = checkpointed_layers(model, options.get("offload"))
-
-    norms, projections = options.get("norms", False), options.get("projections", False)
-    attention = options.get("attention", False)
-    for option, value in (("norms", norms), ("projections", projections), ("attention", attention)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{option} must be True or False, got {value!r}")
-    states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
-                  loss_options, norms, loss_required=loss is True, projections=projections)
-    layers = attention_scopes(model, states) if attention else []
-    if attention and not layers:
-        raise ValueError(f"attention=True runs the attention block of each layer of the model's layer stack (the "
-                         f"items of its outermost nn.ModuleList) with the attention core's backward in KV-head "
-                         f"groups, but {type(model).__name__} has no nn.ModuleList of layers; leave attention=False")
-    uninstall_attention(model)  # before the forwards it wraps are restored or replaced
-    install(model, states)
-    install_offload(model, offload_layers)
-    install_attention(model, layers, policy.scratch_mib)
-    log_summary(model)
-    return model
-
-
-def _loss_options(options: dict[str, Any]) -> LossOptions:
-    scratch = options.get("loss_scratch_mib")
-    check_budget_mib("loss_scratch_mib", scratch)
-    mode = options.get("loss_mode", "auto")
-    if mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")
-    accum = check_accum_dtype(options.get("loss_grad_accum_dtype", torch.float32), "loss_grad_accum_dtype")
-    return LossOptions(scratch, mode, accum)
-
-
-def disable_tiling(model: nn.Module) -> nn.Module:
-    """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
-    tiled causal LMs); returns ``model``."""
-    uninstall_attention(model)
-    uninstall(model)
-    uninstall_offload(model)
-    return model
-
-
-def tiled_modules(model: nn.Module) -> dict[str, str]:
-    """``{qualified name (as model.named_modules() gives it): strategy name}`` for tiled modules."""
-    return tiled_names(model)
-
-
-def _functional_strategy(module: nn.Module) -> Strategy:
-    """``apply_tiled_mlp`` sees only the MLP: FSDP2 if it is a unit, DeepSpeed if ZeRO-3 partitions its
-    parameters, else the plain mechanics, which are already DDP- and ZeRO-1/2-correct (one gradient per
-    parameter per backward)."""
-    if any(is_zero3_param(p) for p in module.parameters()):
-        return DeepSpeedStrategy()
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return PlainStrategy()
-    if isinstance(module, FSDPModule):
-        return FSDP2Strategy([module])
-    return PlainStrategy()
-
-
-def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn.Module, x: torch.Tensor,
-                    num_shards: Optional[int] = None, compute_params: Optional[Sequence[torch.Tensor]] = None,
-                    ddp_safe: bool = False) -> Any:
-    """``fn(mlp_module, x)`` computed in token shards, with exact gradients (Liger/DeepSpeed call).
-
-    Args:
-        fn: computes the MLP on one shard, ``fn(mlp_module, x_shard)``; it may call the module.
-        mlp_module: the module whose parameters ``fn`` uses; all of its parameters are inputs of the
-            tiled autograd node.
-        x: ``[..., tokens, hidden]``; ``[B, T, H]`` is sharded over all ``B * T`` tokens.
-        num_shards: ``None`` for ``ceil(tokens / hidden)``.
-        compute_params: accepted for compatibility (DeepSpeed's ``TiledMLP``); each must belong to
-            ``mlp_module``. Gradients are computed for every trainable parameter of the module, and
-            under ZeRO-3 every partitioned parameter of the module is gathered once per call in forward
-            and once in backward (strategy ``deepspeed``), whatever ``compute_params`` lists.
-        ddp_safe: accepted for compatibility. The path is always DDP-safe: shard gradients are summed
-            inside one autograd node, so each parameter's hook fires once per backward and existing
-            ``.grad`` values (micro-batch accumulation) are never zeroed.
-
-    Memory and communication as for :func:`enable_tiling`.
-    """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable as fn(mlp_module, x_shard), got {type(fn).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        raise ValueError("x must be a tensor of shape [..., tokens, hidden] with at least 2 dims")
-    policy = ShardPolicy(num_shards=num_shards)
-    slots = param_slots(mlp_module)
-    if not slots and any(isinstance(v, torch.Tensor) and v.requires_grad
-                         for m in mlp_module.modules() for v in vars(m).values()):
-        # FSDP1 with flat parameters turns the weights into plain-tensor views of the flat parameter
-        # during forward: they are not parameters of the module, so they could not be inputs of the
-        # tiled node and would silently get no gradient.
-        raise ValueError(
-            f"{type(mlp_module).__name__} computes with tensors that are not registered parameters "
-            "(FSDP1 with use_orig_params=False makes its weights views of a flat parameter), so "
-            "apply_tiled_mlp cannot give them gradients. Use use_orig_params=True, or "
-            "tiledmlp.enable_tiling(model), which finds them through the flat parameter."
-        )
-    if compute_params is not None:
-        known = {id(s.get()) for s in slots}
-        foreign = [tuple(p.shape) for p in compute_params if id(p) not in known]
-        if foreign:
-            raise ValueError(
-                f"compute_params has tensors of shapes {foreign} that are not parameters of mlp_module; "
-                "pass the module whose parameters fn uses."
-            )
-    if any(has_tp_hooks(m) for m in mlp_module.modules()):
-        # fn computes through the sharded projections: their collectives would run once per shard.
-        raise ValueError(
-            f"{type(mlp_module).__name__} is tensor parallel (parallelize_module); apply_tiled_mlp would run "
-            "its collectives once per shard. Use tiledmlp.enable_tiling(model), whose 'tp' strategy tiles "
-            "the local shards between the untiled module's collectives.")
-    strategy = _functional_strategy(mlp_module)
-    if isinstance(strategy, DeepSpeedStrategy):
-        check_deepspeed_module(type(mlp_module).__name__, mlp_module)
-    if x.numel() == 0:
-        return fn(mlp_module, x)
-    spec = TiledCallSpec(name=type(mlp_module).__name__, slots=tuple(slots), policy=policy)
-    return spec(strategy, mlp_module, lambda xs: fn(mlp_module, xs), x)
+#: Module paths of tiledmlp 0.1.0, before the subpackages: each still imports, as the module that now holds its
+#: code (README, "Import paths"). The old modules whose names are now packages (``loss``, ``attention``,
+#: ``offload``, ``forms``, ``recognize``, ``patching``) export what they did from the package.
+_MOVED = {
+    "function": "core.function", "accumulate": "core.accumulate", "sharding": "core.sharding",
+    "compiled": "core.compiled", "logs": "core.logs",
+    "mlp_form": "forms.mlp", "moe_form": "forms.moe", "lora": "forms.lora", "proj_form": "forms.proj",
+    "quant": "forms.quant",
+    "hooks": "distributed.hooks",
+    "heads": "loss.heads", "lazy_logits": "loss.lazy_logits",
+    "grouped_attention": "attention.grouped",
+    "recognize_moe": "recognize.moe", "norms": "recognize.norms", "projections": "recognize.projections",
+    "runtime": "patching.call_spec", "state": "patching.state", "planning": "patching.planning",
+    "tiled_forward": "patching.forwards",
+}
+for _old, _new in _MOVED.items():
+    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")
+    globals()[_old] = sys.modules[f"{__name__}.{_old}"]
+del _old, _new

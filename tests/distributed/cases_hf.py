@@ -211,13 +211,13 @@ def checkpointed_llama() -> nn.Module:
 def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], build: Callable[[], nn.Module] = checkpointed_llama,
                   **options: Any) -> dict[str, Any]:
     """Untiled checkpointed Llama against tiled + offloaded, under ``wrap``; reports the offloader's counts."""
-    from tiledmlp import offload
+    from tiledmlp.offload import checkpointing, host
 
-    offload.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: offload them all the same
-    offload._OFFLOADERS.clear()
+    host.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: offload them all the same
+    checkpointing._OFFLOADERS.clear()
     recipe = _recipe(env, build, wrap, tile=enable(tile_tokens=16, offload="cpu", **options))
     metrics = untiled_vs_tiled(recipe, env)
-    stats = offload.offloader_for(env.device).stats
+    stats = checkpointing.offloader_for(env.device).stats
     metrics.update(offload_regions=stats["regions"], offload_restored=stats["restored"])
     return metrics
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.state import STATE_ATTR
+from tiledmlp.patching.state import STATE_ATTR
 
 from common import (Batch, Env, Recipe, bf16_noise_metrics, count_shards, enable, mixed_precision_metrics, registry,
                     untiled_vs_tiled)

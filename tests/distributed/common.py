@@ -19,7 +19,7 @@ import gc
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -338,8 +338,8 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
     count of 0 look like "no shards"."""
     from unittest import mock
 
-    import tiledmlp.function
-    import tiledmlp.state
+    import tiledmlp.core.function
+    import tiledmlp.patching.state
 
     found = {"calls": 0, "shards": 0}
     if not enabled:
@@ -352,9 +352,9 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
             found[labels[name]] += 1
         return torch.profiler.record_function(name, *args, **kwargs)
 
-    # The eager path labels in function.py, the compiled one (the custom operator's body) in state.py.
+    # The eager path labels in core/function.py, the compiled one (the custom operator's body) in patching/state.py.
     with contextlib.ExitStack() as stack:
-        for module in (tiledmlp.function, tiledmlp.state):
+        for module in (tiledmlp.core.function, tiledmlp.patching.state):
             stack.enter_context(mock.patch.object(module, "record_function", counting))
         yield found
 

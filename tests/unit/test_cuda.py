@@ -176,7 +176,7 @@ def test_loss_peak_memory_bound(mode, accum, accum_bytes, scratch_mib):
     accumulator (float32, and the bf16 gradient it becomes; or block-scaled in the gradient's 2 bytes)
     and the scratch budget — also the default one, which describe() names (256 MiB here, half the logits);
     the untiled loss needs several [tokens, vocab] tensors."""
-    from tiledmlp.sharding import loss_budget_bytes
+    from tiledmlp.core.sharding import loss_budget_bytes
 
     x, w, labels = _loss_inputs()
     x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
@@ -322,7 +322,7 @@ def test_grouped_attention_on_gpu_within_sdpa_error_and_smaller_backward():
     """The flash kernel per group of KV heads (``tiledmlp.attention``) on the GPU: bf16 output and gradients within
     SDPA's own error against float64, and the backward's peak (above what both keep) at most SDPA's, minus the
     accumulator and expanded copies of all but one group."""
-    from tiledmlp.grouped_attention import grouped_attention
+    from tiledmlp.attention.grouped import grouped_attention
 
     b, heads, kv, t, d = 1, 32, 8, 8192, 128
     gen = torch.Generator(device="cuda").manual_seed(0)

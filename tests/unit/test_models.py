@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiledmlp
-from tiledmlp.state import STATE_ATTR
+from tiledmlp.patching.state import STATE_ATTR
 from unit_helpers import FAMILIES, assert_close_rel, assert_grads_match, batch, build
 
 TOL = 1e-5
@@ -110,7 +110,7 @@ def test_checkpointed_tiled_mlp_is_not_recomputed_by_non_reentrant_checkpoint(mo
     """The tiled node saves nothing itself (its input keeper does), so checkpoint's early stop ends
     the recompute before the tiled forward: 2 MLP forwards per step instead of 3 (1 + the per-shard
     recompute in backward, which is counted separately here)."""
-    from tiledmlp.mlp_form import MLPForm
+    from tiledmlp.forms.mlp import MLPForm
 
     model = tiledmlp.enable_tiling(build("llama"), num_shards=3)
     model.train()

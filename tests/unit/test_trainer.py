@@ -15,7 +15,8 @@ from torch.utils.data import Dataset
 
 import tiledmlp
 from tiledmlp import offload
-from tiledmlp.heads import UNTILED_TRAINING_CALL
+from tiledmlp.offload import checkpointing, host
+from tiledmlp.loss.heads import UNTILED_TRAINING_CALL
 from unit_helpers import build
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +69,7 @@ def test_losses_computed_outside_the_model_are_said(tmp_path, caplog, how):
     """The Trainer takes the labels out of the model's call: the head must compute real logits (the loss stays
     right), and tiledmlp says so once, in a warning naming the fix, and in describe()."""
     tiled, ref = tiled_pair()
-    tiledmlp.logs._SAID.clear()
+    tiledmlp.core.logs._SAID.clear()
     extra = {"label_smoothing_factor": 0.1} if how == "label_smoothing_factor" else {
         "compute_loss_func": lambda outputs, labels, num_items_in_batch=None: torch.nn.functional.cross_entropy(
             outputs.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))}
@@ -84,7 +85,7 @@ def test_losses_computed_outside_the_model_are_said(tmp_path, caplog, how):
 
 def test_labels_in_the_call_stay_tiled_and_say_nothing(tmp_path, caplog):
     tiled, _ = tiled_pair()
-    tiledmlp.logs._SAID.clear()
+    tiledmlp.core.logs._SAID.clear()
     with caplog.at_level(logging.WARNING, logger="tiledmlp"):
         trainer(tiled, tmp_path).train()
     assert not [r for r in caplog.records if "without labels" in r.getMessage()]
@@ -93,8 +94,8 @@ def test_labels_in_the_call_stay_tiled_and_say_nothing(tmp_path, caplog):
 
 @pytest.fixture
 def offload_everything(monkeypatch):
-    monkeypatch.setattr(offload, "_OFFLOADERS", {})
-    monkeypatch.setattr(offload, "MIN_BYTES", 0)
+    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
+    monkeypatch.setattr(host, "MIN_BYTES", 0)
 
 
 def checkpointed_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -120,7 +121,7 @@ def test_trainer_gradient_checkpointing_keeps_the_offload(tmp_path, offload_ever
 
 def test_reentrant_checkpointing_set_later_is_said(tmp_path, offload_everything, caplog):
     tiled, _ = checkpointed_pair()
-    tiledmlp.logs._SAID.clear()
+    tiledmlp.core.logs._SAID.clear()
     with caplog.at_level(logging.WARNING, logger="tiledmlp"):
         trainer(tiled, tmp_path, gradient_checkpointing=True,
                 gradient_checkpointing_kwargs={"use_reentrant": True}).train()

@@ -1,7 +1,7 @@
 """Strategies: what each data-parallel wrapper needs from a tiled MLP, one small class each.
 
 The tiled function already does the part every wrapper needs — one gradient per parameter per
-backward, no hook or collective inside it (see ``function.py``). What is left is wrapper-specific:
+backward, no hook or collective inside it (``tiledmlp.core.function``). What is left is wrapper-specific:
 
 =========  ==========================================================================================
 plain      nothing; parameters must be ordinary tensors.
@@ -36,8 +36,9 @@ tp         tensor parallel (``parallelize_module``: ColwiseParallel gate/up, Row
            collectives at its two boundaries, never one per shard (``tensor_parallel.py``).
 =========  ==========================================================================================
 
-No strategy needs the ranks to agree on the shard count: the shard count changes only local compute,
-never the number or order of collectives, so ranks with different sequence lengths stay in lockstep.
+Which strategy a module gets is decided in ``selection.py``. No strategy needs the ranks to agree on the shard
+count: the shard count changes only local compute, never the number or order of collectives, so ranks with different
+sequence lengths stay in lockstep.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 import torch
 from torch import nn
 
-from ..hooks import silenced_hooks
-from ..mlp_form import MLPLayout
+from ..forms.mlp import MLPLayout
 from . import deepspeed as ds
 from .detect import Wrapping, is_dtensor, storage_freed
+from .hooks import silenced_hooks
 from .tensor_parallel import Localized, TPPlan, localize
 
-__all__ = ["Strategy", "DeepSpeedStrategy", "TPStrategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for",
-           "validate_forced", "owning_units"]
+__all__ = ["Strategy", "PlainStrategy", "DDPStrategy", "NoSyncStrategy", "FSDP2Strategy", "FSDP1Strategy",
+           "DeepSpeedStrategy", "TPStrategy"]
 
 
 class Strategy:
@@ -349,59 +350,3 @@ class TPStrategy(_Layered):
                 "generic form would run the sharded projections, and their collectives, once per shard. Call "
                 "it with the hidden states only, without hooks on its children, or leave it untiled.")
         return localize(self.plan, module_name, x, params, layout)
-
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy,
-                              DeepSpeedStrategy, TPStrategy)
-}
-STRATEGY_NAMES = ("auto", *STRATEGIES)
-_BY_WRAPPING = {cls.wrapping: cls for cls in (PlainStrategy, DDPStrategy, FSDP2Strategy, FSDP1Strategy,
-                                              DeepSpeedStrategy)}
-
-
-def _with_tp(data: Strategy, tp: Optional[TPPlan]) -> Strategy:
-    return data if tp is None else TPStrategy(data, tp)
-
-
-def strategy_for(wrapping: Wrapping, units: Sequence[nn.Module] = (), tp: Optional[TPPlan] = None) -> Strategy:
-    """The strategy ``auto`` picks for a wrapping (and a tensor-parallel plan, if the MLP has one)."""
-    return _with_tp(_BY_WRAPPING[wrapping](units, None if tp is None else tp.mesh), tp)
-
-
-def validate_forced(name: str, wrapping: Wrapping, module_name: str, units: Sequence[nn.Module] = (),
-                    tp: Optional[TPPlan] = None) -> Strategy:
-    """The strategy for a forced ``name``; ValueError naming the fitting one when it does not match.
-
-    With a tensor-parallel plan, ``"tp"`` and the data-parallel wrapper's own name (``"fsdp2"`` for
-    FSDP2 over TP, ``"no_sync"``) are accepted and give the composed strategy."""
-    fits = strategy_for(wrapping, units, tp)
-    data = fits.inner if isinstance(fits, TPStrategy) else fits
-    if name == "no_sync":
-        if wrapping is Wrapping.NONE:
-            raise ValueError(
-                f"strategy='no_sync' needs a wrapper that synchronizes gradients (DDP, FSDP1, FSDP2), "
-                f"but {module_name} is not wrapped. Use strategy='{fits.name}' or 'auto', or wrap the model "
-                "first (or enable tiling with strategy='auto' before wrapping)."
-            )
-        return _with_tp(NoSyncStrategy(data), tp)
-    accepted = {fits.name} | ({"tp"} | ({data.name} - {"plain"}) if tp is not None else set())
-    if name not in accepted:
-        raise ValueError(
-            f"strategy='{name}' does not match how {module_name} is wrapped ({fits.name}): "
-            f"use strategy='{fits.name}' or strategy='auto'."
-        )
-    return fits
-
-
-def owning_units(path: Sequence[nn.Module], wrapping: Wrapping) -> list[nn.Module]:
-    """FSDP2 units that own the parameters of ``path[-1]``: the MLP itself if it is a unit, else the
-    nearest ancestor unit (FSDP2 assigns a module's parameters to the closest enclosing unit)."""
-    if wrapping is not Wrapping.FSDP2:
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
-    for mod in reversed(path):
-        if isinstance(mod, FSDPModule):
-            return [mod]
-    return []

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..mlp_form import MLPLayout, Proj
+from ..forms.mlp import MLPLayout, Proj
 from .detect import is_dtensor
 
 __all__ = ["TPStyle", "TPPlan", "read_style", "tp_plan", "has_tp_hooks", "tp_hook_count"]

@@ -1,0 +1,162 @@
+"""The attention core's backward in groups of KV heads: :func:`grouped_attention`, the function
+``enable_tiling(model, attention=True)`` computes SDPA calls with (``tiledmlp.attention`` takes the calls).
+
+Design note — what the attention core's backward holds
+------------------------------------------------------
+With tiled MLPs, loss and norms and offloaded layer inputs, the peak of a long-context step is the fused attention
+kernel's backward in one layer's recompute (``docs/long-context.md``, "What is alive at the peak"). Besides the
+tensors the core needs at full length — q, k, v, its output and their gradients — the fused kernel's backward
+(cuDNN or flash) allocates, for all heads at once, a float32 accumulator for dq (4 bytes per query element) and,
+with grouped KV heads (Llama-3, Qwen, Mistral: 4 or more query heads per KV head), dk and dv expanded to every
+*query* head before summing them per KV head. For Llama-3.1-8B's 32 query and 8 KV heads of 128 features that
+is 16 + 8 + 8 KiB per token on top of the 12 KiB of dq, dk and dv: 44 KiB per token (measured: 44.1), the
+largest item of the peak.
+
+Attention heads are independent, and a KV head is shared only within its group of query heads. So this module's
+backward runs the same kernel one group of KV heads (with their query heads) at a time, writing each group's dq,
+dk and dv into the full gradients: the accumulator and the expanded copies exist for one group only. The kernel is
+the one SDPA itself picks for the inputs (``torch._fused_sdp_choice``: cuDNN on an H100, else flash; the CPU's
+flash kernel in tests), so values, gradients and speed are SDPA's. The forward is the kernel's own forward, once for
+all heads, saving what SDPA's autograd node saves (q, k, v, the output and the per-row log-sum-exp). A KV head's
+gradient is the same sum over its query heads. Cost: no extra FLOPs; ``groups`` kernel launches instead of one,
+and one copy of each gradient into place (measured on an H100 at 128K tokens, 32/8 heads of 128: 932 -> 947 ms
+for forward and backward, 44.1 -> 17.5 KiB per token of backward scratch and gradients). The number of groups
+is the fewest whose scratch fits the shard policy's ``scratch_mib`` (:func:`kv_heads_per_call`): one group — the
+untouched SDPA call — up to 8K tokens for the 8B shape, eight from 64K. Communication: none (no parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+from ..core.sharding import DEFAULT_SCRATCH_MIB
+
+__all__ = ["grouped_attention", "kv_heads_per_call", "attention_scratch_per_token", "sdpa_kernel_name",
+           "backend_name", "KERNELS"]
+
+aten = torch.ops.aten
+
+
+def attention_scratch_per_token(q_heads: int, head_dim: int, grouped: bool, itemsize: int) -> int:
+    """Bytes per query token of the flash backward's scratch for ``q_heads`` query heads: the float32 dq
+    accumulator, the kernel's dq, dk and dv outputs for those heads and, with grouped KV heads, dk and dv expanded
+    to every query head."""
+    per_head = head_dim * (4 + itemsize + (2 * itemsize if grouped else 0))
+    return q_heads * per_head
+
+
+def kv_heads_per_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int,
+                      scratch_mib: Optional[float] = None) -> int:
+    """KV heads per backward call: the most (fewest calls) that divide ``kv_heads`` and whose scratch
+    (:func:`attention_scratch_per_token` x ``tokens``) fits ``scratch_mib`` (default ``DEFAULT_SCRATCH_MIB``);
+    one when none fits."""
+    budget = (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+    groups = q_heads // kv_heads
+    for per_call in sorted((d for d in range(1, kv_heads + 1) if kv_heads % d == 0), reverse=True):
+        if attention_scratch_per_token(per_call * groups, head_dim, groups > 1, itemsize) * tokens <= budget:
+            return per_call
+    return 1
+
+
+#: SDPA's fused kernels whose forward and backward this module calls (``SDPBackend`` names)
+KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+
+
+def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
+                     enable_gqa: bool) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` would run for these inputs (an ``SDPBackend`` name): on a GPU,
+    torch's own choice (cuDNN on recent GPUs, else flash), so this path computes what the untiled call computes, as
+    fast; on a CPU its flash kernel."""
+    if q.device.type == "cpu":
+        return "FLASH_ATTENTION"
+    return backend_name(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
+
+
+def backend_name(choice: int) -> str:
+    """The ``SDPBackend`` name of ``torch._fused_sdp_choice``'s answer."""
+    from torch.nn.attention import SDPBackend
+
+    return next((name for name, b in SDPBackend.__members__.items() if b.value == choice), str(choice))
+
+
+def _kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                    scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``kernel``'s forward: ``(output, logsumexp, what its backward needs besides)``."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return out, lse, ()
+    if kernel == "CUDNN_ATTENTION":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: Optional[float], extra: tuple):
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, is_causal,
+                                                                         scale=scale)
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    if kernel == "CUDNN_ATTENTION":
+        return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, seed, offset, None, cum_q,
+                                                                 cum_k, max_q, max_k, 0.0, is_causal, scale=scale)
+    return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                                                             0.0, is_causal, seed, offset, scale=scale)
+
+
+class _GroupedAttention(torch.autograd.Function):
+    """Forward: SDPA's kernel once for all heads. Backward: the kernel's backward per group of
+    ``kv_per_call`` KV heads (and their query heads), each group's gradients copied into place."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
+                kv_per_call: int, kernel: str) -> torch.Tensor:
+        with record_function("tiledmlp::attention_forward"):
+            out, lse, extra = _kernel_forward(kernel, q, k, v, is_causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.extra, ctx.is_causal, ctx.scale, ctx.kv_per_call, ctx.kernel = extra, is_causal, scale, kv_per_call, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        groups = q.shape[1] // k.shape[1]
+        step = ctx.kv_per_call
+        with record_function("tiledmlp::attention_backward"):
+            for h in range(0, k.shape[1], step):
+                qs, ks = slice(h * groups, (h + step) * groups), slice(h, h + step)
+                # The log-sum-exp is read as a dense [batch, heads, tokens] block: one group's heads made contiguous.
+                gq, gk, gv = _kernel_backward(ctx.kernel, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                                              lse[:, qs].contiguous(), ctx.is_causal, ctx.scale, ctx.extra)
+                dq[:, qs].copy_(gq)
+                dk[:, ks].copy_(gk)
+                dv[:, ks].copy_(gv)
+                del gq, gk, gv
+        return dq, dk, dv, None, None, None, None
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                      scale: Optional[float] = None, kv_per_call: int = 1,
+                      kernel: Optional[str] = None) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)`` with the
+    backward run ``kv_per_call`` KV heads at a time (design note). ``q``: ``[batch, q_heads, tokens, head_dim]``;
+    ``k``, ``v``: ``[batch, kv_heads, tokens, head_dim]``, ``kv_heads`` dividing ``q_heads`` and divisible by
+    ``kv_per_call``. No mask, no dropout; on a GPU 16-bit inputs. ``kernel``: one of :data:`KERNELS` (default:
+    :func:`sdpa_kernel_name`, what SDPA itself would run). Memory: what SDPA saves, and one group's backward
+    scratch instead of all heads'. Communication: none."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or k.shape[1] % kv_per_call:
+        raise ValueError(f"grouped_attention takes q [batch, heads, tokens, dim] and k, v [batch, kv_heads, tokens, "
+                         f"dim] with kv_heads dividing heads and kv_per_call dividing kv_heads; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, kv_per_call {kv_per_call}")
+    kernel = kernel or sdpa_kernel_name(q, k, v, is_causal, scale, True)
+    if kernel not in KERNELS:
+        raise ValueError(f"grouped_attention runs one of SDPA's kernels {list(KERNELS)}, got {kernel!r} (torch picks "
+                         "another one for these inputs: call F.scaled_dot_product_attention)")
+    return _GroupedAttention.apply(q, k, v, is_causal, scale, kv_per_call, kernel)

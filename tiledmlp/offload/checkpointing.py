@@ -1,0 +1,220 @@
+"""The entry points of host offload (``host.py`` has the mechanics and their design notes): a drop-in
+:func:`checkpoint` for custom models, and Hugging Face's per-layer checkpoint function replaced on the layers of
+``enable_tiling(model, offload="cpu")`` (:func:`install_offload`, undone by :func:`uninstall_offload`). One
+:class:`~tiledmlp.offload.host.HostOffload` per device serves every model of the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.logs import warn_once
+from .host import HostOffload
+
+log = logging.getLogger("tiledmlp")
+
+__all__ = ["OFFLOAD_TARGETS", "OffloadingCheckpointFunc", "checkpoint", "checkpointed_layers", "install_offload",
+           "uninstall_offload", "offloaded_layers", "offload_problems", "offloader_for"]
+
+OFFLOAD_TARGETS = ("cpu",)
+_SAVED_ATTR = "_tiledmlp_offload_saved"
+_HOOK_ATTR = "_tiledmlp_offload_hook"
+
+
+_OFFLOADERS: dict[torch.device, HostOffload] = {}
+
+
+def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffload:
+    """The process's offloader for ``device`` (its host buffers are shared by every model on it)."""
+    offloader = _OFFLOADERS.get(device)
+    if offloader is None:
+        offloader = _OFFLOADERS[device] = HostOffload(device)
+    offloader.expected_regions = max(offloader.expected_regions, expected_regions)
+    return offloader
+
+
+def _check_target(offload: Optional[str]) -> None:
+    if offload is not None and offload not in OFFLOAD_TARGETS:
+        raise ValueError(f"offload={offload!r} is not supported; use one of {list(OFFLOAD_TARGETS)} or None")
+
+
+def _device_of(args: tuple) -> Optional[torch.device]:
+    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] = "cpu", use_reentrant: bool = False,
+               preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)`` whose large tensor
+    arguments wait for the recompute in host memory (``offload="cpu"``; None: plain checkpointing).
+
+    The drop-in for custom models (Hugging Face models: ``enable_tiling(model, offload="cpu")``). Memory:
+    the arguments' device copies are freed from the end of the region's forward to one region before its
+    recompute; host memory holds them meanwhile. Communication: none.
+    """
+    _check_target(offload)
+    if use_reentrant:
+        raise ValueError("tiledmlp.checkpoint offloads the inputs of non-reentrant checkpointing only (reentrant "
+                         "checkpointing saves them itself); call it with use_reentrant=False.")
+    ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
+                             preserve_rng_state=preserve_rng_state)
+    device = _device_of(args)
+    if offload is None or device is None:
+        return ckpt(function, *args, **kwargs)
+    return offloader_for(device).run(ckpt, function, *args, **kwargs)
+
+
+class OffloadingCheckpointFunc:
+    """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``, ``CheckpointWrapper``'s
+    ``checkpoint_fn``: ``functools.partial(checkpoint, use_reentrant=False, ...)``) with the layer's input
+    offloaded (``HostOffload.run``)."""
+
+    __slots__ = ("original", "layers")
+
+    def __init__(self, original: Callable[..., Any], layers: int) -> None:
+        self.original, self.layers = original, layers
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        device = _device_of(args)
+        if device is None:
+            return self.original(function, *args, **kwargs)
+        return offloader_for(device, self.layers).run(self.original, function, *args, **kwargs)
+
+
+def _func_attr(module: torch.nn.Module) -> Optional[str]:
+    """Where ``module`` keeps the checkpoint function it calls as ``fn(function, *args, **kwargs)``:
+    Hugging Face's checkpointing layers (``_gradient_checkpointing_func``, while ``gradient_checkpointing``
+    is on) and torch's ``CheckpointWrapper`` (``checkpoint_fn``; torchtitan's ``apply_ac``)."""
+    if getattr(module, "gradient_checkpointing", False) is True and "_gradient_checkpointing_func" in module.__dict__:
+        return "_gradient_checkpointing_func"
+    if type(module).__name__ == "CheckpointWrapper" and "checkpoint_fn" in module.__dict__:
+        return "checkpoint_fn"
+    return None
+
+
+def _original_func(module: torch.nn.Module) -> Any:
+    attr = _func_attr(module)
+    func = None if attr is None else module.__dict__[attr]
+    return func.original if isinstance(func, OffloadingCheckpointFunc) else func
+
+
+def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[torch.nn.Module]:
+    """The modules whose checkpointed inputs ``offload`` moves (none for None); ValueError, naming the fix,
+    when the model does not checkpoint or checkpoints reentrantly. Changes nothing."""
+    _check_target(offload)
+    if offload is None:
+        return []
+    flagged = [m for m in model.modules() if callable(_original_func(m))]
+    # Transformers 5 checkpoints in each GradientCheckpointingLayer (the base model keeps a flag it does not
+    # use); older modeling code calls the base model's function once per layer.
+    hf_layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    layers = hf_layers + [m for m in flagged if _func_attr(m) == "checkpoint_fn"] if hf_layers else flagged
+    if not layers:
+        raise ValueError(
+            f"offload={offload!r} moves checkpointed activations to the host, but no module of "
+            f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}) (activation_checkpointing_enable in recent "
+            "transformers) before enable_tiling, or wrap the layers with torch's checkpoint_wrapper (torchtitan's "
+            "apply_ac), or, in a custom model, use tiledmlp.checkpoint(fn, *args) where it calls "
+            "torch.utils.checkpoint.checkpoint.")
+    for m in layers:
+        if _checkpoint_problem(m):
+            raise ValueError(
+                f"offload={offload!r} needs non-reentrant checkpointing (torch.utils.checkpoint with "
+                f"use_reentrant=False), but {type(m).__name__} checkpoints with {_original_func(m)!r}: call "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+                "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT).")
+    return layers
+
+
+def _checkpoint_problem(module: torch.nn.Module) -> str:
+    """Why ``module``'s inputs cannot be offloaded now ("" if they can: it checkpoints non-reentrantly)."""
+    func = _original_func(module)
+    if not callable(func):
+        return "it no longer checkpoints (gradient checkpointing was disabled)"
+    if not (isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint
+            and func.keywords.get("use_reentrant") is False):
+        return (f"it now checkpoints with {func!r}, not torch.utils.checkpoint with use_reentrant=False (pass "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}, and no offload=True of transformers' own)")
+    return ""
+
+
+def _wrap(module: torch.nn.Module, layers: int) -> None:
+    attr = _func_attr(module)
+    original = module.__dict__[attr]
+    module.__dict__[_SAVED_ATTR] = (attr, original)
+    setattr(module, attr, OffloadingCheckpointFunc(original, layers))
+
+
+class _KeepOffloading:
+    """Forward pre-hook on the model ``enable_tiling`` was given: a layer whose checkpoint function was replaced
+    since — ``Trainer(args=TrainingArguments(gradient_checkpointing=True))`` calls ``gradient_checkpointing_enable``
+    (``activation_checkpointing_enable``) when training starts — gets the offloading one again when the new one is
+    non-reentrant torch checkpointing; otherwise its inputs stay on the device, said once and in ``describe()``.
+    Holds the layers' names (copies and pickles of the model keep working)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.problems: dict[str, str] = {}  # layer -> why its inputs are not offloaded now
+
+    def __call__(self, model: torch.nn.Module, args: Any) -> None:
+        wrapped, problems = [], {}
+        for name in self.names:
+            layer = model.get_submodule(name)
+            attr, _ = layer.__dict__[_SAVED_ATTR]
+            if isinstance(layer.__dict__.get(attr), OffloadingCheckpointFunc):
+                continue
+            problem = _checkpoint_problem(layer)
+            if problem:
+                problems.setdefault(problem, []).append(name)
+            else:
+                _wrap(layer, len(self.names))
+                wrapped.append(name)
+        if wrapped:
+            log.info("offload='cpu': the checkpoint function of %d layers was replaced since enable_tiling "
+                     "(gradient_checkpointing_enable?); their inputs are offloaded again", len(wrapped))
+        self.problems = {name: problem for problem, names in problems.items() for name in names}
+        for problem, names in problems.items():
+            warn_once(("offload off", tuple(names), problem), "offload='cpu': the inputs of %d layers (%s) stay on the "
+                      "device from now on: %s", len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+                      problem)
+
+
+def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """Give each of ``layers`` the offloading checkpoint function (restoring any earlier one first), and keep it
+    there (:class:`_KeepOffloading`)."""
+    uninstall_offload(model)
+    for m in layers:
+        _wrap(m, len(layers))
+    if layers:
+        names = {m: n for n, m in model.named_modules()}
+        hook = _KeepOffloading([names[m] for m in layers])
+        model.__dict__[_HOOK_ATTR] = (hook, model.register_forward_pre_hook(hook))
+
+
+def uninstall_offload(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if _SAVED_ATTR in m.__dict__:
+            attr, original = m.__dict__.pop(_SAVED_ATTR)
+            if isinstance(m.__dict__.get(attr), OffloadingCheckpointFunc):  # not one set since: that one stays
+                setattr(m, attr, original)
+    hook = model.__dict__.pop(_HOOK_ATTR, None)
+    if hook is not None:
+        hook[1].remove()
+
+
+def offloaded_layers(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the modules whose checkpointed inputs are offloaded (not those whose checkpoint
+    function was replaced since and could not be wrapped again: :func:`offload_problems`)."""
+    return [name for name, m in model.named_modules()
+            if _SAVED_ATTR in m.__dict__
+            and isinstance(getattr(m, m.__dict__[_SAVED_ATTR][0]), OffloadingCheckpointFunc)]
+
+
+def offload_problems(model: torch.nn.Module) -> dict[str, str]:
+    """Layers ``offload="cpu"`` was enabled for whose inputs stay on the device now, and why."""
+    hook = model.__dict__.get(_HOOK_ATTR)
+    return dict(hook[0].problems) if hook is not None else {}

@@ -1,0 +1,15 @@
+"""What ``enable_tiling`` does to a model, and the calls it installs. In the order of one call:
+
+``enable`` checks the options and runs the rest; ``planning`` recognizes each module (``tiledmlp.recognize``) and
+plans its ``state`` (form, strategy, the forward it replaces, its ``call_spec``); ``patch`` installs the planned
+forwards per instance and undoes them; ``forwards`` holds those forwards (eager: cut the input, run the call spec;
+compiled: the core's operator). ``functional`` is the same call without patching (``apply_tiled_mlp``);
+``describe`` reports what was tiled.
+
+The top layer: imports every other subpackage, and none imports it. (``tiledmlp.patching`` was one module before
+the subpackages; what it exported still is, below.)
+"""
+
+from .patch import install, tiled_names, tiled_states, uninstall
+
+__all__ = ["install", "uninstall", "tiled_names", "tiled_states"]

@@ -1,0 +1,267 @@
+"""What tiling did to a model: one :class:`TileInfo` per tiled module, and the log lines of
+``enable_tiling``.
+
+``describe(model, seq_len=131072)`` answers, per tiled module: which form it got (``"glu"``, ``"mlp"``: the fast
+forms; ``"moe"``: a MoE layer's experts, routed once; ``"generic"``: the module's own forward, recomputed (also a
+whole MoE block whose experts the MoE form cannot compute); ``"norm"``: a normalization layer on the generic form
+(``enable_tiling(norms=True)``); ``"proj"``: a LoRA-adapted projection (``enable_tiling(projections=True)``, its
+fast form or, with the reason, the generic one); ``"loss"``: the tiled LM head + cross-entropy), why it is generic
+when it is, which strategy serves it under the model's current wrapping, what its calls do inside ``torch.compile``d
+code (``under_compile``: one operator in the graph, or the eager call), and how a call of ``seq_len`` tokens would
+be cut (shards, tokens per shard, intermediate blocks) with the scratch that costs. Scratch is what the shard policy
+sizes, in the parameters' dtype: a fast form's recomputed intermediates (gate/up and one ``dh`` block per backward
+shard), the MoE form's rows (at the model config's top-k), a normalization layer's or LoRA projection's float32
+copies of its input, the loss's scratch budget; for the generic form it depends on the module's own forward and is
+not estimated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..attention.layers import attention_layers
+from ..core.accumulate import block_scaled
+from ..core.sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
+                             moe_scratch_per_token, norm_scratch_per_token)
+from ..distributed.tensor_parallel import read_style
+from ..forms.moe import ExpertsLayout
+from ..forms.quant import QuantizedLinear
+from ..loss.heads import HeadSpec
+from ..offload.checkpointing import offload_problems, offloaded_layers
+from .call_spec import TiledCallSpec
+from .patch import tiled_states
+from .state import TilingState
+
+__all__ = ["TileInfo", "Description", "describe", "log_summary", "DEFAULT_DESCRIBE_TOKENS"]
+
+log = logging.getLogger("tiledmlp")
+DEFAULT_DESCRIBE_TOKENS = 131072  # the sequence length of enable_tiling's summary line
+
+
+@dataclass(frozen=True)
+class TileInfo:
+    """How one module is tiled (see the module docstring)."""
+
+    name: str
+    form: str  # "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
+    strategy: str
+    reason: str  # why the module is generic ("" otherwise)
+    computes: str  # what a fast form computes, in the module's names ("" for the others)
+    policy: str  # the shard policy, in words
+    # what a call does inside torch.compile'd code: "operator" (one graph node), or the eager path and why
+    under_compile: str = ""
+    tokens: Optional[int] = None  # the sequence length the figures below are for
+    num_shards: Optional[int] = None
+    shard_tokens: Optional[int] = None  # tokens per (backward) shard
+    inter_chunks: Optional[int] = None  # intermediate blocks per shard (fast forms)
+    scratch_bytes: Optional[int] = None  # peak scratch of one call; None: not estimated
+    fallback: str = ""  # calls seen to take the untiled path, and why ("" if none)
+
+    @property
+    def scratch_mib(self) -> Optional[float]:
+        return None if self.scratch_bytes is None else self.scratch_bytes / 2**20
+
+
+class Description(dict):
+    """``{qualified name: TileInfo}``, printable as a table (``str()``/``repr()``) and as one line
+    (:meth:`summary`)."""
+
+    def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
+                 not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None) -> None:
+        super().__init__(infos)
+        self.tokens = tokens
+        self.offloaded = list(offloaded)  # modules whose checkpointed inputs wait in host memory
+        # modules offload="cpu" was enabled for whose inputs stay on the device now, and why
+        self.not_offloaded = dict(not_offloaded or {})
+        # layers attention=True was enabled in -> what their attention calls did (tiledmlp.attention)
+        self.attention = dict(attention or {})
+
+    def summary(self) -> str:
+        """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
+        infos = list(self.values())
+        mlps = [i for i in infos if i.form not in ("loss", "norm", "proj")]
+        forms = {f: sum(i.form == f for i in mlps) for f in ("glu", "mlp", "moe", "generic")}
+        parts = [f"tiled {len(mlps)} MLP{'s' if len(mlps) != 1 else ''}"
+                 + (": " + ", ".join(f"{n} {f}" for f, n in forms.items() if n) if mlps else "")]
+        norms = sum(i.form == "norm" for i in infos)
+        if norms:
+            parts.append(f"{norms} normalization layer{'s' if norms != 1 else ''}")
+        projections = sum(i.form == "proj" for i in infos)
+        if projections:
+            parts.append(f"{projections} LoRA projection{'s' if projections != 1 else ''}")
+        heads = [i.name or "<root>" for i in infos if i.form == "loss"]
+        if heads:
+            parts.append(f"loss tiled at {', '.join(heads)}")
+        strategies = sorted({i.strategy for i in infos})
+        parts.append(f"strateg{'y' if len(strategies) == 1 else 'ies'} {', '.join(strategies)}")
+        sized = [i.scratch_bytes for i in infos if i.scratch_bytes is not None]
+        if sized and self.tokens:
+            # Modules run one after another: the peak is the largest, not the sum.
+            parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
+        if self.offloaded:
+            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host")
+        if self.not_offloaded:
+            parts.append(f"offload='cpu' off for {len(self.not_offloaded)} layers: "
+                         f"{sorted(set(self.not_offloaded.values()))[0]}")
+        if self.attention:
+            parts.append(f"attention=True in {len(self.attention)} layers"
+                         + "".join(f" ({n} layers: {what})" for what, n in
+                                   Counter(self.attention.values()).most_common(2)))
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        head = ("name", "form", "strategy", "shards x tokens", "scratch", "computes / why generic")
+        rows = [head] + [(
+            i.name or "<root>", i.form, i.strategy,
+            f"{i.num_shards} x {i.shard_tokens}" + (f" ({i.inter_chunks} blocks)" if (i.inter_chunks or 1) > 1 else "")
+            if i.num_shards else i.policy,
+            "?" if i.scratch_bytes is None else format_mib(i.scratch_bytes),
+            (i.reason or i.computes) + (f"; untiled: {i.fallback}" if i.fallback else "")) for i in self.values()]
+        widths = [max(len(r[k]) for r in rows) for k in range(len(head) - 1)]
+        lines = [self.summary()] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def _policy_words(policy: ShardPolicy) -> str:
+    if policy.tile_tokens is not None:
+        return f"tile_tokens={policy.tile_tokens}"
+    if policy.num_shards is not None:
+        return f"num_shards={policy.num_shards}"
+    return f"auto ({policy.scratch_mib or 'default'} MiB budget)" if policy.scratch_mib else "auto"
+
+
+def _params(state: TilingState) -> Optional[list[torch.Tensor]]:
+    """The module's parameter tensors as its slots hold them now (None where a wrapper keeps them
+    elsewhere outside forward, e.g. FSDP1 flat parameters)."""
+    try:
+        return [slot.get() for slot in state.spec.slots]
+    except AttributeError:
+        return None
+
+
+def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -> TileInfo:
+    spec = state.spec
+    if state.kind == "loss":
+        return _loss_info(name, state, strategy, tokens)
+    policy = spec.policy
+    base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
+                policy=_policy_words(policy), tokens=tokens, fallback=state.fallback,
+                under_compile="operator" if state.traced is not None and not spec.quantized
+                else "eager call, one graph break")
+    params = _params(state)
+    if tokens is None or params is None:
+        return TileInfo(**base)
+    layout = spec.layout
+    if isinstance(layout, ExpertsLayout):
+        return _moe_info(base, state, params, tokens)
+    if state.kind == "proj":  # sized by float32 copies of its input, and a 4-bit weight's dequantized copy
+        owner = spec.slots[0].owner  # the base layer: a 4-bit weight is packed, a Conv1D's is [in, out]
+        hidden = getattr(owner, "in_features", None) or owner.nx
+        rows = spec.generic_rows(tokens, hidden)
+        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
+                        scratch_bytes=rows * norm_scratch_per_token(hidden) + _dequantized_bytes(spec))
+    if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
+        norm = state.kind == "norm"
+        hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)
+        if hidden is None:  # 1-D shards
+            return TileInfo(**base)
+        rows = spec.generic_rows(tokens, hidden)
+        return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
+                        scratch_bytes=rows * norm_scratch_per_token(hidden) if norm else None)
+    # Sizes from the modules, not the tensors: a wrapper may hold shards (FSDP1 use_orig_params) or views.
+    down = spec.slots[layout.down.weight].owner
+    inter = getattr(down, "in_features", None) or getattr(down, "nx", None)
+    if inter is None:
+        return TileInfo(**base)
+    style = read_style(down)
+    if style is not None:  # tensor parallel: each rank tiles its slice of the intermediate dimension
+        inter //= style.mesh.size()
+    # 4-bit weights: the compute dtype's size, and their dequantized copies beside the shards while a pass runs
+    itemsize = (_compute_itemsize(spec.quantized[0][1]) if spec.quantized
+                else params[layout.down.weight].element_size())
+    dequantized = _dequantized_bytes(spec)
+    rows, chunks = policy.mlp_tile(tokens, inter, itemsize, layout.gated)
+    forward_rows = policy.mlp_forward_rows(inter, itemsize, rows, layout.gated)
+    scratch = dequantized + max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
+                                forward_rows * (2 if layout.gated else 1) * inter * itemsize)
+    return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,
+                    scratch_bytes=scratch)
+
+
+def _compute_itemsize(q: QuantizedLinear) -> int:
+    """Bytes per element of a 4-bit layer's dequantized weight (its compute dtype's)."""
+    return torch.finfo(getattr(q.module, "compute_dtype", None) or torch.bfloat16).bits // 8
+
+
+def _dequantized_bytes(spec: TiledCallSpec) -> int:
+    """The dequantized copies of a fast form's 4-bit weights, alive while a pass runs."""
+    return sum(q.module.in_features * q.module.out_features * _compute_itemsize(q) for _, q in spec.quantized)
+
+
+def _moe_info(base: dict, state: TilingState, params: list[torch.Tensor], tokens: int) -> TileInfo:
+    """Shards of the MoE form at the top-k of the experts' config (transformers'), if it says."""
+    top_k = getattr(getattr(state.spec.slots[0].owner, "config", None), "num_experts_per_tok", None)
+    layout = state.spec.layout.remap(list(range(len(params))))
+    if not isinstance(top_k, int) or any(p.dim() != 3 for p in (params[layout.up], params[layout.down])):
+        return TileInfo(**base)  # no top-k to size by, or sharded weights
+    hidden = layout.w_up(params).shape[1]
+    itemsize = params[layout.up].element_size()
+    per_token = moe_scratch_per_token(hidden, layout.inter(params), layout.up_width(params), top_k, itemsize)
+    rows = state.spec.policy.moe_rows(tokens, per_token)
+    return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, scratch_bytes=rows * per_token)
+
+
+def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -> TileInfo:
+    spec: HeadSpec = state.spec
+    options = spec.options
+    words = f"mode {options.mode}" + (f", {options.scratch_mib} MiB budget" if options.scratch_mib else "")
+    base = dict(name=name, form="loss", strategy=strategy, reason="", policy=words, tokens=tokens,
+                computes=f"LM head + cross-entropy of {spec.owner.name}", fallback=state.fallback,
+                under_compile="untiled loss (real logits); tiled when the head runs outside compiled code")
+    params = _params(state)
+    if tokens is None or params is None:
+        return TileInfo(**base)
+    head = spec.slots[0].owner  # sizes from the module: a wrapper may hold a shard of the weight
+    vocab, hidden, itemsize = head.out_features, head.in_features, params[0].element_size()
+    budget = loss_budget_bytes(tokens * hidden * itemsize, options.scratch_mib)
+    tile = loss_tile(tokens, vocab, hidden, itemsize, budget, options.mode,
+                     scaled_sums=block_scaled(options.grad_accum_dtype, params[0].dtype))
+    return TileInfo(**base, num_shards=math.ceil(tokens / tile.rows), shard_tokens=tile.rows, scratch_bytes=budget)
+
+
+def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
+    """``{qualified name: TileInfo}`` for every module of ``model`` that ``enable_tiling`` tiled.
+
+    ``seq_len``: tokens per call (all of a batch's tokens: ``batch * sequence``) for which to give
+    shards and scratch; None: forms, strategies and policies only. ``model`` may be the wrapper:
+    strategies are resolved against its current wrapping. Costs no computation and no communication.
+    """
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
+    return Description({name: _info(name, state, strategy, seq_len)
+                        for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model),
+                       offload_problems(model), attention_layers(model))
+
+
+def log_summary(model: nn.Module) -> None:
+    """``enable_tiling``'s log lines: one INFO summary, and a WARNING per module that looks like an MLP
+    but got the generic form, with the reason (which names the fix)."""
+    description = describe(model, DEFAULT_DESCRIBE_TOKENS)
+    log.info("%s", description.summary())
+    for name, module, state, _ in tiled_states(model):
+        if state.warn:
+            log.warning("%s (%s) takes the generic form, which recomputes the whole module per shard: %s",
+                        name or "<root>", type(module).__name__, state.reason)

@@ -1,0 +1,312 @@
+"""What is tiled: recognition of each module (``recognize``: MLPs, MoE experts and blocks, registered types,
+normalization layers, LoRA projections) and the plan of one ``enable_tiling`` call (``plan``: a
+:class:`~tiledmlp.patching.state.TilingState` per module to patch, its strategy forced or left to detection, the heads'
+tiled loss), made without changing the model.
+
+Recognized (outermost match wins, so experts inside a tiled MoE block are not tiled again):
+
+* MLPs, by what they compute (``tiledmlp.recognize``): a module whose two to four Linear-like
+  children chain ``hidden -> inter -> hidden`` and whose forward a numerical probe identifies as
+  ``down(act(gate(x)) * up(x))`` (split or fused gate/up) or ``down(act(up(x)))`` gets the fast
+  form (``"glu"`` or ``"mlp"``, ``tiledmlp.forms.mlp``), whatever its children are called; one
+  that is per-token but computes something else (LoRA adapters, dropout, a residual inside) gets
+  the generic form, with the reason recorded and logged.
+* MoE layers: an experts module (two 3-D expert weights, ``forward(hidden, top_k_index, top_k_weights)``)
+  that the probe identifies (``tiledmlp.recognize.moe``) gets the MoE form: only the experts call is
+  tiled, its block (router, shared expert) runs as usual and a shared expert is recognized on its own.
+  A MoE block (an ``experts`` submodule next to a ``gate`` or ``router``) whose experts the form cannot
+  compute is tiled whole with the generic form, with the reason recorded and logged.
+* Types registered with :func:`register_mlp` or passed as ``mlp_types=``.
+* With ``loss=True``, the LM head of every Hugging Face causal LM (``loss/heads.py``): the tiled loss.
+* With ``norms=True``, normalization layers, by what they compute (``tiledmlp.recognize.norms``): the generic form,
+  shards sized by their float32 copies.
+* With ``projections=True``, LoRA-adapted projections outside the MLPs and heads (``tiledmlp.recognize.projections``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..core.logs import warn_once
+from ..core.sharding import ShardPolicy
+from ..distributed.deepspeed import check_deepspeed_module
+from ..distributed.detect import Wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
+from ..distributed.selection import owning_units, strategy_for, validate_forced
+from ..distributed.strategies import Strategy
+from ..forms.base import Slot
+from ..forms.mlp import MLPLayout
+from ..forms.quant import quantized_linear
+from ..loss.heads import HeadSpec, LossOptions, LossOwner, check_causal_lm, find_causal_lms, labels_position
+from ..recognize.candidates import Recognized, hidden_sizes, linear_like
+from ..recognize.mlp import recognize_mlp
+from ..recognize.moe import experts_interface, recognize_experts
+from ..recognize.norms import recognize_norm
+from ..recognize.projections import recognize_projection
+from .call_spec import TiledCallSpec
+from .state import TilingState, TracedCall, original_forward, parallelism_of, saved_forward
+
+__all__ = ["register_mlp", "recognize", "param_slots", "plan"]
+
+_REGISTERED: list[type] = []
+
+
+def register_mlp(module_type: type) -> type:
+    """Tile every instance of ``module_type`` (any per-token module) with the generic form.
+
+    Usable as a decorator. The module's forward must map ``[..., tokens, hidden]`` to outputs whose
+    leading dims are the tokens' (each token computed independently of the others).
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_mlp takes an nn.Module subclass, got {module_type!r}")
+    if module_type not in _REGISTERED:
+        _REGISTERED.append(module_type)
+    return module_type
+
+
+def param_slots(module: nn.Module) -> list[Slot]:
+    """Every parameter slot in ``module``'s subtree (where the parameter is registered).
+
+    FSDP1 flat parameters are left out: the module computes with views of them, read through the
+    original parameters' slots (see :func:`_flatparam_slots`).
+    """
+    return [
+        Slot(owner, pname)
+        for _, owner in module.named_modules()
+        for pname, p in owner._parameters.items()
+        if p is not None and not getattr(p, "_is_flat_param", False)
+    ]
+
+
+def _flatparam_slots(module: nn.Module, root: nn.Module) -> list[Slot]:
+    """FSDP1 with flat parameters: the original parameters' (module, name) inside ``module``.
+
+    FSDP1 registers a flat parameter on the module it wraps — often an ancestor of the MLP (the
+    decoder layer, the root) — so the flat parameters are searched from ``root``.
+    """
+    inside = {id(m) for m in module.modules()}
+    return [
+        Slot(info.module, info.param_name)
+        for p in root.parameters()
+        for info in getattr(p, "_param_infos", ())
+        if id(info.module) in inside
+    ]
+
+
+def _is_moe(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.Module) and any(
+        isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router"))
+
+
+def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
+              form: str = "auto", root: Optional[nn.Module] = None,
+              experts_seen: Optional[dict[int, Recognized]] = None, norms: bool = False,
+              projections: bool = False) -> Optional[Recognized]:
+    """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
+    recognized MLP block (or, with ``norms``, normalization layer; with ``projections``, LoRA-adapted
+    projection). A MoE block with ``include_moe=False`` is
+    ``"excluded"``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
+    MoE block's recognition already probed (by ``id``), so that a later call for the experts module itself does
+    not probe again."""
+    experts_seen = {} if experts_seen is None else experts_seen
+    if is_fsdp1_wrapper(module):
+        # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
+        # wrapped module is tiled instead (tiling the wrapper would gather parameters per shard).
+        return None
+    slots = param_slots(module) or _flatparam_slots(module, root if root is not None else module)
+    if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
+        return Recognized("generic", tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
+    if _is_moe(module):
+        if not include_moe:
+            return Recognized("excluded", tuple(slots))
+        experts = module.experts
+        if form == "auto" and experts_interface(experts, original_forward(experts)):
+            rec = experts_seen[id(experts)] = recognize_experts(experts, original_forward(experts),
+                                                                param_slots(experts))
+            if rec.kind == "moe":
+                return None  # the block runs as is; its experts (and a shared expert) are recognized below
+            reason = f"its experts ({type(experts).__name__}) cannot take the MoE form: {rec.reason}"
+        elif form == "auto":
+            reason = (f"its experts ({type(experts).__name__}) do not have the experts interface (two 3-D expert "
+                      "weights, forward(hidden_states, top_k_index, top_k_weights))")
+        else:
+            reason = "form='generic' was asked for"
+        return Recognized("generic", tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
+                          "is recomputed per shard", warn=form == "auto", moe_block=True)
+    forward = original_forward(module)
+    if norms:
+        rec = recognize_norm(module, forward, slots)
+        if rec is not None:
+            return rec
+    if projections:
+        rec = recognize_projection(module, slots)
+        if rec is not None:
+            return rec
+    if form == "auto" and experts_interface(module, forward):
+        rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
+        return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
+    return recognize_mlp(module, forward, slots, fast=form == "auto")
+
+
+def _input_names(forward) -> list[str]:
+    return [p.name for p in inspect.signature(forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
+                 label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list]:
+    """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module
+    (``rec``: how it was recognized, for its tensor-parallel plan; None for an LM head)."""
+    path = module_path(model, module)
+    wrapping, tp = parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
+    if wrapping is Wrapping.DEEPSPEED:
+        check_deepspeed_module(label, module)
+    units = owning_units(path, wrapping)
+    if strategy == "auto":
+        # Unwrapped (TP or not): detected again at each call, so wrapping the model later still counts.
+        forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units, tp)
+    else:
+        forced = validate_forced(strategy, wrapping, label, units, tp)
+    return forced, [weakref.ref(m) for m in path]
+
+
+def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
+         include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
+         loss: Optional[LossOptions] = None, norms: bool = False, loss_required: bool = True,
+         projections: bool = False) -> dict[str, TilingState]:
+    """Recognize and validate every MLP (with ``loss``, every causal-LM head; with ``norms``, every
+    normalization layer; with ``projections``, every LoRA-adapted projection outside them and outside the
+    heads) of ``model`` without changing anything. ``loss_required``: a head that cannot be
+    tiled (or none) is an error; otherwise (``enable_tiling``'s default) it is logged and left as it is.
+    ValueError, naming what was found, when nothing would be tiled."""
+    states: dict[str, TilingState] = {}
+    covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
+    excluded: list[str] = []  # MoE blocks that include_moe=False leaves untiled
+    experts_seen: dict[int, Recognized] = {}  # MoE blocks' experts, probed once
+    # A causal LM's output embeddings belong to its loss (tiled or not), never to a projection's tiling.
+    heads = {id(lm.get_output_embeddings()) for _, lm in find_causal_lms(model)} if projections else set()
+    for name, module in model.named_modules():
+        if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
+            continue
+        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms,
+                        projections=projections and id(module) not in heads)
+        if rec is None:
+            continue
+        label = name or type(module).__name__
+        if rec.kind == "excluded":  # the block (router included) and its experts; a shared expert is an MLP of its own
+            excluded.append(label)
+            covered.append(f"{name}.experts" if name else "experts")
+            continue
+        covered.append(name)
+        nested = fsdp2_units_below(module)
+        if nested:
+            raise ValueError(
+                f"{label}: fully_shard was applied to {nested} inside this MLP; tiling recomputes the "
+                "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
+                "above it (e.g. the decoder layer) instead."
+            )
+        forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
+        spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
+                             is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
+                             grad_accum_dtype=grad_accum_dtype,
+                             quantized=rec.quantized)
+        names = _input_names(original_forward(module))
+        states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module),
+                                   forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
+                                   token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
+                                   traced=traced_call_of(module, rec), adapters=rec.adapters)
+    if loss is not None:
+        states.update(_plan_heads(model, strategy, loss, loss_required))
+    if not states:
+        raise ValueError(_nothing_recognized(model, excluded, loss is not None))
+    return states
+
+
+def _nothing_recognized(model: nn.Module, excluded: list[str], with_loss: bool) -> str:
+    """Why ``enable_tiling`` found nothing to tile, naming what it did find and what to do."""
+    head = " and no LM head whose loss it can tile" if with_loss else ""
+    if excluded:
+        return (f"nothing to tile in {type(model).__name__}: include_moe=False leaves its {len(excluded)} MoE "
+                f"block{'s' if len(excluded) != 1 else ''} ({', '.join(excluded[:3])}{', ...' if len(excluded) > 3 else ''}) "
+                f"untiled, and it has no other MLP block{head}. Drop include_moe=False to tile the experts.")
+    return (f"no MLP block recognized in {type(model).__name__}{head}. tiledmlp recognizes, by what they compute, "
+            "modules whose 2-4 Linear-like children (nn.Linear, transformers' Conv1D, LoRA-wrapped linears) "
+            "chain hidden -> intermediate -> hidden and whose forward maps each token on its own (GLU and "
+            "plain MLPs, whatever their names); MoE blocks (an 'experts' submodule beside a 'gate' or "
+            "'router'); and registered types. For another per-token module, call "
+            "tiledmlp.register_mlp(MyMLP) or pass mlp_types=(MyMLP,); for a single call, use "
+            "tiledmlp.apply_tiled_mlp(fn, module, x).")
+
+
+def traced_call_of(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
+    """How compiled code calls ``module``'s operator; None where it cannot: a parameter that does not live under
+    the module, or a generic form whose output cannot be sized before it runs (no Linear-like children mapping
+    a width back to itself, or a whole MoE block, whose router's outputs come along)."""
+    paths = {m: name for name, m in module.named_modules()}
+    if any(slot.owner not in paths for slot in rec.slots):
+        return None
+    slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
+    if rec.kind == "norm":  # maps its parameters' width to itself
+        return TracedCall(slot_paths, -1, 0, (rec.slots[0].get().shape[0],))
+    if rec.kind == "proj" and rec.layout is not None:  # sized by the weight's output features
+        return TracedCall(slot_paths, rec.layout.proj.weight, 1 if rec.layout.proj.transposed else 0)
+    if rec.kind == "proj":  # generic: the operator's output is sized like its input (a projection that keeps the
+        base = module.base_layer  # width), and bitsandbytes' packed 4-bit weight is no tensor an operator can take
+        keeps_width = base.in_features == base.out_features and quantized_linear(base) is None
+        return TracedCall(slot_paths, -1, 0, (base.in_features,)) if keeps_width else None
+    if rec.layout is None:
+        widths = hidden_sizes([lin for lin in (linear_like(n, c) for n, c in module.named_children()) if lin])
+        return TracedCall(slot_paths, -1, 0, tuple(widths)) if widths and not rec.moe_block else None
+    if isinstance(rec.layout, MLPLayout):
+        return TracedCall(slot_paths, rec.layout.down.weight, 1 if rec.layout.down.transposed else 0)
+    return TracedCall(slot_paths, -1, 0)  # the experts' output has the hidden states' width
+
+
+def _plan_heads(model: nn.Module, strategy: str, options: LossOptions, required: bool) -> dict[str, TilingState]:
+    """The tiled loss of every causal LM in ``model``. ``required`` (``loss=True``): a model without one, or a head
+    that cannot be tiled, is a ValueError; otherwise (the default) each such head is logged and left untiled."""
+    lms = find_causal_lms(model)
+    if not lms and required:
+        raise ValueError(
+            f"loss=True, but {type(model).__name__} has no recognizable LM head: tiledmlp tiles the loss of "
+            "Hugging Face causal LMs (a PreTrainedModel with get_output_embeddings() and transformers' "
+            "ForCausalLMLoss). For another model, call tiledmlp.tiled_linear_cross_entropy(hidden, "
+            "head.weight, labels) in your loss, or enable tiling with loss=False.")
+    states: dict[str, TilingState] = {}
+    for lm_name, lm in lms:
+        try:
+            name, state = _plan_head(model, strategy, options, lm_name, lm)
+        except ValueError as exc:
+            if required:
+                raise
+            warn_once(("head not tiled", lm_name, str(exc)), "%s: its loss is not tiled (the model computes its "
+                      "T x vocab logits): %s", lm_name or type(lm).__name__, exc)
+            continue
+        states[name] = state
+    return states
+
+
+def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: str,
+               lm: nn.Module) -> tuple[str, TilingState]:
+    """``(the head's qualified name, its tiling state)`` for the causal LM ``lm``; ValueError if it cannot be tiled."""
+    head = check_causal_lm(lm_name, lm)
+    name = _qualified_name(model, head)
+    label = name or type(head).__name__
+    slots = head_slots(head)
+    forced, path = _strategy_of(model, head, slots, strategy, label)
+    owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
+    spec = HeadSpec(label, slots, options, owner)
+    return name, TilingState(spec, "loss", "input", saved_forward(head), forced, path)
+
+
+def head_slots(head: nn.Module) -> tuple[Slot, ...]:
+    return (Slot(head, "weight"),) + ((Slot(head, "bias"),) if getattr(head, "bias", None) is not None else ())
+
+
+def _qualified_name(model: nn.Module, module: nn.Module) -> str:
+    """``module``'s qualified name in ``model`` (as ``named_modules()`` gives it)."""
+    return next(n for n, m in model.named_modules() if m is module)

@@ -1,0 +1,155 @@
+"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call
+spec, form, strategy, the forward it replaced, how compiled code reaches it), kept in the module's ``__dict__``
+under :data:`STATE_ATTR`, and the operators' implementations the compiled call runs on it. Imported by the planning
+(which makes states), the patched forwards (which read them) and the installer; imports none of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from ..core.compiled import STATE_ATTR
+from ..core.function import backward_shards, forward_shards
+from ..distributed.deepspeed import is_zero_managed
+from ..distributed.detect import Wrapping, detect_wrapping
+from ..distributed.selection import owning_units, strategy_for
+from ..distributed.strategies import Strategy
+from ..distributed.tensor_parallel import TPPlan, tp_plan
+from ..forms.base import Slot
+from .call_spec import TiledCallSpec
+
+__all__ = ["STATE_ATTR", "TilingState", "TracedCall"]
+
+
+@dataclass
+class TilingState:
+    """Everything the patched forward of one module needs."""
+
+    spec: TiledCallSpec
+    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
+    input_name: str
+    # The instance forward before patching; None when the instance had none (a value, not a sentinel
+    # object, so that copies and pickles of the model still recognize it).
+    saved_forward: Any
+    forced: Optional[Strategy]  # a forced (or enable-time-wrapped) strategy; None: detect per call
+    # Weak references to the modules from the root to this one, for run-time detection when tiling
+    # was enabled before wrapping (fully_shard changes those modules' classes in place). Weak, so a
+    # deep copy of one MLP does not drag the whole model along.
+    path: list = field(default_factory=list)
+    reason: str = ""  # why a module that looks like an MLP got the generic form
+    warn: bool = False  # whether that reason is worth a warning (not for a form the user asked for)
+    computes: str = ""  # what a fast form computes, in the module's own names
+    # The MoE form's token inputs beside the hidden states: the routing indices' and weights' names
+    token_input_names: tuple = ()
+    # How a compiled call reaches this module's tensors (None: compiled calls take the eager path)
+    traced: Optional[TracedCall] = None
+    adapters: tuple = ()  # the fast form's LoRA adapters (tiledmlp.forms.lora), whose state every call checks
+    key: Optional[torch.Tensor] = None  # names this module to the compiled call's operators (set by install)
+    fallback: str = ""  # calls seen at run time that took the untiled path, and why (describe(); said once in a log)
+    # a normalization layer's outputs are remembered for projections that keep its input (attention=True sets it)
+    remembers_output: bool = False
+    _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
+
+    def strategy(self, module: nn.Module) -> Strategy:
+        if self.forced is not None:
+            return self.forced
+        path = [m for m in (ref() for ref in self.path) if m is not None]
+        if not path or path[-1] is not module:
+            path = [module]
+        return self.detected(path)
+
+    def detected(self, path: list[nn.Module]) -> Strategy:
+        """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""
+        key = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
+                             head=self.kind == "loss")
+        if key not in self._auto:
+            self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
+        return self._auto[key]
+
+    def __getstate__(self):  # picklable: weak references and run-time caches are dropped
+        return {**self.__dict__, "path": [], "_auto": {}}
+
+    # The implementations of the compiled call's operators (``core/compiled.py``): the eager call, cut at the
+    # autograd node, on the tensors the compiled graph passes.
+
+    def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
+                   token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
+        strategy = self.strategy(module)
+        with record_function("tiledmlp::call"), strategy.forward_context(module):
+            run = self.spec.prepare(strategy, module, original_forward(module), x, params, not generic, token_inputs)
+            with record_function("tiledmlp::forward"):
+                outs = forward_shards(run.call, run.x, run.params, run.token_inputs)
+        # A fast form's output has the input's tokens and the width its weight says (a projection's may differ).
+        shaped = len(outs) == 1 and outs[0] is not None and (
+            outs[0].shape == x.shape if generic else outs[0].shape[:-1] == x.shape[:-1])
+        if run.call.form.returned_tuple or not shaped:
+            # Only a generic-form module can get here: its outputs were sized (in the graph) like its input.
+            raise RuntimeError(
+                f"{self.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
+                f"tensor shaped like its input {tuple(x.shape)}; this one returned "
+                f"{[None if o is None else tuple(o.shape) for o in outs]}. Call it outside the compiled region, "
+                "or tiledmlp.disable_tiling(module).")
+        return outs[0]
+
+    def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
+                    token_inputs: list[torch.Tensor], needs: list[bool], generic: bool) -> list[Optional[torch.Tensor]]:
+        """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
+        gradient at its first position only, as autograd sums the positions)."""
+        run = self.spec.prepare(self.strategy(module), module, original_forward(module), x, params, not generic,
+                                token_inputs)
+        n = len(token_inputs)
+        need_params = needs[1 + n:]
+        unique_needs = [any(need for need, u in zip(need_params, run.index) if u == j) for j in range(len(run.params))]
+        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, run.params, run.token_inputs,
+                                                     [grad.reshape(run.x.shape[0], -1)], needs[0],
+                                                     [*needs[1:1 + n], *unique_needs])
+        first = {u: i for i, u in reversed(list(enumerate(run.index)))}
+        param_grads = [unique_grads[u] if need and first[u] == i else None
+                       for i, (u, need) in enumerate(zip(run.index, need_params))]
+        return [None if dx is None else dx.view(x.shape),
+                *[None if d is None else d.view(t.shape) for d, t in zip(d_tokens, token_inputs)], *param_grads]
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """What traced code needs to call a fast form's operator (``core/compiled.py``): each parameter slot as a path
+    from the module (``"gate_proj.weight"``; getattr from the module, so Dynamo guards nothing per layer)
+    and where the output's width is read (``params[out_slot].shape[out_axis]``; -1: the input's width)."""
+
+    slot_paths: tuple[str, ...]
+    out_slot: int
+    out_axis: int
+    # The generic form: the input widths the module maps back to themselves (its output is sized like its
+    # input, checked when it runs); empty for the fast forms.
+    widths: tuple[int, ...] = ()
+
+
+def parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
+                   reason: str = "", head: bool = False) -> tuple[Wrapping, Optional[TPPlan]]:
+    """The data-parallel wrapping of ``path[-1]`` and its tensor-parallel plan (None: not TP); raises
+    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``; ``head``: a tiled LM
+    head, which must not be tensor parallel)."""
+    slots = list(slots)
+    params = [s.get() for s in slots]
+    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params),
+                               zero_params=any(is_zero_managed(p) for p in params))
+    return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
+                             reason=reason, head=head)
+
+
+def original_forward(module: nn.Module):
+    saved = saved_forward(module)
+    # A partial, not types.MethodType: Dynamo traces through it (no graph break under torch.compile).
+    return saved if saved is not None else functools.partial(type(module).forward, module)
+
+
+def saved_forward(module: nn.Module) -> Any:
+    """The instance forward ``module`` had before tiling (kept by its state when it is tiled), or None."""
+    previous = module.__dict__.get(STATE_ATTR)
+    return previous.saved_forward if previous is not None else module.__dict__.get("forward")

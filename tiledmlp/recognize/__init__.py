@@ -1,0 +1,15 @@
+"""Recognition: which modules are tiled, and with which form. ``candidates`` (Linear-like children, activations,
+the layouts a module's children allow), ``probe`` (a candidate's own forward compared with each), ``mlp`` (the
+decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normalization layers), ``projections``
+(LoRA-adapted projections).
+
+Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core``.
+(``tiledmlp.recognize`` was one module before the subpackages; what it exported still is, below.)
+"""
+
+from .candidates import MLP_NAMES, LinearLike, Recognized, activation_name, hidden_sizes, linear_like
+from .mlp import recognize_mlp
+from .probe import PROBE_ACTIVATIONS, PROBE_RTOL
+
+__all__ = ["Recognized", "LinearLike", "hidden_sizes", "linear_like", "recognize_mlp", "activation_name",
+           "PROBE_RTOL", "PROBE_ACTIVATIONS", "MLP_NAMES"]
