@@ -244,6 +244,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
         ring = (init_device_mesh("cuda", (world,), mesh_dim_names=("cp",)), sdpa)
     rows, reference = [], {}
+
+    def save(rows: list[dict[str, Any]], show: bool) -> list[dict[str, Any]]:
+        return save_results("bench_sp", rows, device, args, COLUMNS,
+                            ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"),
+                            ("transformers", "deepspeed", "tiledmlp"), show=show)
+
     for tokens in args.seq_lens:
         for variant in args.variants:
             configure(model, variant)
@@ -260,10 +266,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             if dist.get_rank() == 0:
                 print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(result['peak_gib'])} step_s={fmt(result['step_s'])}"
                       f" grad_rel={fmt(result['grad_rel'])}", flush=True)
+                save(rows, show=False)  # every row on disk as it comes: a run cut short keeps what it measured
     if dist.get_rank() == 0:
-        rows = save_results("bench_sp", rows, device, args, COLUMNS,
-                            ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"),
-                            ("transformers", "deepspeed", "tiledmlp"))
+        rows = save(rows, show=True)
     dist.barrier()
     dist.destroy_process_group()
     return rows

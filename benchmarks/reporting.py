@@ -72,17 +72,20 @@ def write_csv_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, .
 
 
 def save_results(name: str, rows: list[dict[str, Any]], device: torch.device, args: argparse.Namespace,
-                 columns: tuple[str, ...], printed: tuple[str, ...], packages: tuple[str, ...]) -> list[dict[str, Any]]:
+                 columns: tuple[str, ...], printed: tuple[str, ...], packages: tuple[str, ...],
+                 show: bool = True) -> list[dict[str, Any]]:
     """Rows with the device, versions of ``packages`` and date, written to ``args.out/<name>_<gpu>[_tag][_smoke].csv``
-    and printed (``printed`` columns); returns them."""
+    and printed (``printed`` columns; ``show=False``: written only, as a long run does after every row so that a run
+    cut short keeps what it measured); returns them."""
     meta = {"gpu_name": gpu_name(device), "torch": torch.__version__, **{key: package_version(key) for key in packages},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{name}_{gpu_slug(device)}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     write_csv_rows(args.out / f"{stem}.csv", rows, columns)
-    print_rows(rows, printed)
-    print(f"wrote {args.out / stem}.csv")
+    if show:
+        print_rows(rows, printed)
+        print(f"wrote {args.out / stem}.csv")
     return rows
 
 
