@@ -80,8 +80,9 @@ __all__ = [
 __version__ = "0.1.0"
 
 #: Module paths of tiledmlp 0.1.0, before the subpackages: each still imports, as the module that now holds its
-#: code (README, "Import paths"). The old modules whose names are now packages (``loss``, ``attention``,
-#: ``offload``, ``forms``, ``recognize``, ``patching``) export what they did from the package.
+#: code (README, "Layout"). The old modules whose names are now packages (``loss``, ``attention``, ``offload``,
+#: ``forms``, ``recognize``, ``patching``) export what they did from the package. ``tiledmlp.describe`` imports as
+#: ``tiledmlp.patching.describe`` too, while the attribute stays the function.
 _MOVED = {
     "function": "core.function", "accumulate": "core.accumulate", "sharding": "core.sharding",
     "compiled": "core.compiled", "logs": "core.logs",
@@ -98,3 +99,4 @@ for _old, _new in _MOVED.items():
     sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")
     globals()[_old] = sys.modules[f"{__name__}.{_old}"]
 del _old, _new
+sys.modules[f"{__name__}.describe"] = importlib.import_module(f"{__name__}.patching.describe")

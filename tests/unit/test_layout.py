@@ -116,8 +116,13 @@ def test_long_modules_say_why():
 
 
 def test_old_import_paths_are_the_new_modules():
-    for old, new in tiledmlp._MOVED.items():
+    for old, new in {**tiledmlp._MOVED, "describe": "patching.describe"}.items():
         assert importlib.import_module(f"tiledmlp.{old}") is importlib.import_module(f"tiledmlp.{new}")
+    assert callable(tiledmlp.describe)  # the function, though its old module's path imports
+    from tiledmlp.distributed import Wrapping, strategy_for  # the package exports what it did
+
+    assert Wrapping is tiledmlp.distributed.detect.Wrapping
+    assert strategy_for is tiledmlp.distributed.selection.strategy_for
     from tiledmlp.core.function import TiledMLPFunction as new
     from tiledmlp.function import TiledMLPFunction as old
     from tiledmlp.loss import tiled_linear_cross_entropy

@@ -300,7 +300,8 @@ class _NoAttentionSeen:
 
 def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scratch_mib: Optional[float]) -> None:
     """Run each of ``layers``' forward (:func:`attention_scopes`) under its own :class:`GroupedAttentionMode`
-    (restoring any earlier one first)."""
+    (restoring any earlier one first). The tiled norms' outputs are remembered for q/k/v
+    (:func:`remember_norm_output`) only where their state says so: ``enable_tiling`` sets it with this call."""
     uninstall_attention(model)
     for _, layer in layers:
         layer.__dict__[_SAVED_ATTR] = layer.__dict__.get("forward")
@@ -335,8 +336,8 @@ def attention_layers(model: nn.Module) -> dict[str, str]:
 
 
 def reduce_layer_method(method: types.MethodType) -> Optional[tuple]:
-    """How a pickle or copy rebuilds a layer forward installed here (``tiled_forward``'s method reducer asks), else
-    None."""
+    """How a pickle or copy rebuilds a layer forward installed here (``tiledmlp.patching.forwards``' method reducer
+    asks), else None."""
     if method.__func__ is _layer_method:
         return (_layer_forward_of, (method.__self__,))
     return None

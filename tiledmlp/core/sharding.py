@@ -116,7 +116,7 @@ def mlp_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1, gate
 
 
 def moe_scratch_per_token(hidden: int, inter: int, up_width: int, top_k: int, itemsize: int) -> int:
-    """Bytes of MoE-form scratch per token (``moe_form``): per row (``top_k`` per token) in backward the
+    """Bytes of MoE-form scratch per token (``tiledmlp.forms.moe``): per row (``top_k`` per token) in backward the
     gathered input and output gradient, the up projection's output (``up_width``, its own gradient in
     place), the activation's gradient and the activation, the input-gradient rows and their unsorted
     copy (``4 * hidden + up_width + 2 * inter`` elements; forward needs less), plus a float32 row of the

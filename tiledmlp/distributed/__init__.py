@@ -7,3 +7,9 @@ need; ``sequence_parallel`` and ``context_parallel`` see one sequence split acro
 wrappers' hooks inside a tiled module from the user's. Imports ``tiledmlp.forms`` only (the MLP layout tensor
 parallelism localizes, the strategies' TP context).
 """
+
+from .detect import Wrapping, detect_wrapping
+from .selection import STRATEGIES, STRATEGY_NAMES, strategy_for, validate_forced
+from .strategies import Strategy
+
+__all__ = ["Wrapping", "detect_wrapping", "Strategy", "STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced"]

@@ -6,7 +6,8 @@ forwards per instance and undoes them; ``forwards`` holds those forwards (eager:
 compiled: the core's operator). ``functional`` is the same call without patching (``apply_tiled_mlp``);
 ``describe`` reports what was tiled.
 
-The top layer: imports every other subpackage, and none imports it. (``tiledmlp.patching`` was one module before
+The top layer: imports the subpackages below it (all but ``kernels``, which the forms and the core call), and none
+imports it. (``tiledmlp.patching`` was one module before
 the subpackages; what it exported still is, below.)
 """
 

@@ -104,7 +104,7 @@ def _layouts(module: nn.Module, index: dict[str, int]) -> list[tuple[str, Expert
 
 class _ExpertsProbe:
     """The module's forward on probe tokens and routing, with float32 copies of its weights (the dense
-    probe's, ``recognize._Probe``)."""
+    probe's, ``tiledmlp.recognize.probe.Probe``)."""
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot], num_experts: int,
                  hidden: int, up_weight: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""The probe: a candidate's own forward run on random tokens, compared with each fast form it allows.
+"""The probe: a candidate's own forward run on random tokens, compared with each fast form it allows (the
+candidates and their layouts come from ``candidates.py``; ``mlp.py`` decides from the probe's answers).
 
 Design note — the probe
 -----------------------
