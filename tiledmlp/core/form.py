@@ -68,6 +68,9 @@ class Form(Protocol):
     ) -> None:
         """Recompute one shard; write its input gradient into ``dx_out`` and add weight grads to ``grads``.
 
+        Called only when some output has a gradient: when none has, ``function.backward_shards`` zeroes the input
+        gradients itself and calls no form, so a one-output form's ``grad_outputs[0]`` is never None.
+
         ``dside_out`` (given only to a call with token inputs, ``run_tiled(..., token_inputs=...)``)
         holds, per token input, the rows its gradient goes to (None: it needs none); ``side`` then
         starts with those inputs' rows."""

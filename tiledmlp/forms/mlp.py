@@ -253,10 +253,6 @@ class MLPForm:
 
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         (g,) = grad_outputs
-        if g is None:
-            if dx_out is not None:
-                dx_out.zero_()
-            return
         lay = self.layout
         w_down = lay.down.w(params)
         inter = w_down.shape[1]

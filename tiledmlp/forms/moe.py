@@ -205,11 +205,6 @@ class MoEForm:
         (g,) = grad_outputs
         index, weights = side[0], side[1]
         d_weights = dside_out[1] if len(dside_out) > 1 else None
-        if g is None:
-            for t in (dx_out, d_weights):
-                if t is not None:
-                    t.zero_()
-            return
         lay = self.layout
         cdt = _compute_dtype(x, params[lay.up])
         routed = self._route(index, weights, params, cdt)

@@ -81,10 +81,6 @@ class ProjForm:
 
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         (g,) = grad_outputs
-        if g is None:
-            if dx_out is not None:
-                dx_out.zero_()
-            return
         proj, xc = self.layout.proj, self._compute(x)
         # The base GEMM's dtype: autocast's where it is on, else its input's (as F.linear requires).
         cdt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else xc.dtype

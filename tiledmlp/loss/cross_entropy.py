@@ -168,10 +168,6 @@ class LinearCrossEntropyForm:
     def backward_shard(self, x, grad_outputs, params, dx_out, grads: GradAccumulator, side=()) -> None:
         (g,) = grad_outputs
         labels, lse = side
-        if g is None:
-            if dx_out is not None:
-                dx_out.zero_()
-            return
         spec = self.spec
         xc, w, b = self._operands(x, params)
         coef = torch.where(labels != spec.ignore_index, g.to(lse.dtype) * self.coef, 0.0)
