@@ -10,7 +10,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "[setup] no torch found: installing the CPU build torch==2.13.0"
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-if ! "$PY" -c "import tiledmlp, transformers, peft, pytest, pytest_timeout, triton, matplotlib, bitsandbytes" >/dev/null 2>&1; then
+if ! "$PY" -c "import tiledmlp, transformers, peft, pytest, pytest_timeout, triton, matplotlib, bitsandbytes, trl" >/dev/null 2>&1; then
     echo "[setup] installing tiledmlp (editable) with its test extras"
     "$PY" -m pip install --quiet -e ".[test]"
 fi

@@ -108,6 +108,25 @@ def tile_lora(quantized: bool = False, **options: Any) -> Callable[[nn.Module], 
     return tile
 
 
+def tile_before_adapters(**options: Any) -> Callable[[nn.Module], None]:
+    """``enable_tiling`` on the model as it was before peft wrapped its projections (each LoRA layer's base layer in
+    its place while tiling is enabled), then the adapters back: as ``enable_tiling`` then ``get_peft_model`` (TRL's
+    ``SFTTrainer(peft_config=...)``). Every MLP's first call plans it again, with its adapters."""
+    def tile(model: nn.Module) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        places = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                  if isinstance(child, LoraLayer)]
+        for parent, name, child in places:
+            setattr(parent, name, child.base_layer)
+        tiledmlp.enable_tiling(model, **options)
+        for parent, name, child in places:
+            setattr(parent, name, child)
+        infos = [i for i in tiledmlp.describe(model).values() if i.form != "loss"]
+        assert infos and all("planned again at its next call" in i.fallback for i in infos), infos
+    return tile
+
+
 def tile_projections(quantized: bool = False, **options: Any) -> Callable[[nn.Module], None]:
     """``enable_tiling(projections=True)``, and a check that every MLP took the GLU form and every attention
     projection the fast projection form (4-bit or not)."""
@@ -350,6 +369,20 @@ def hf_qlora_projections_fsdp2(env: Env) -> dict[str, Any]:
     """QLoRA with 4-bit attention projections tiled too, under FSDP2 (packed in float32)."""
     recipe = _recipe(env, qlora_llama(torch.float32, attention=True), fsdp2(env, LlamaDecoderLayer),
                      tile=tile_projections(quantized=True, tile_tokens=16))
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
+def hf_peft_lora_added_after_tiling_ddp(env: Env) -> dict[str, Any]:
+    """Tiled before peft added the adapters (then DDP): each MLP planned again at its first call, on every rank."""
+    recipe = _recipe(env, lora_llama, ddp(env), tile_before_wrap=True, tile=tile_before_adapters(tile_tokens=16))
+    return untiled_vs_tiled(recipe, env)
+
+
+@case
+def hf_peft_lora_added_after_tiling_fsdp2(env: Env) -> dict[str, Any]:
+    recipe = _recipe(env, lora_llama, fsdp2(env, LlamaDecoderLayer), tile_before_wrap=True,
+                     tile=tile_before_adapters(tile_tokens=16))
     return untiled_vs_tiled(recipe, env)
 
 

@@ -22,6 +22,8 @@ CASES = {
     "hf_peft_lora_ddp": "ddp",
     "hf_peft_lora_fsdp2": "fsdp2",
     "hf_peft_lora_ddp_tile_before_wrap": "ddp",
+    "hf_peft_lora_added_after_tiling_ddp": "ddp",
+    "hf_peft_lora_added_after_tiling_fsdp2": "fsdp2",
     "hf_qlora_ddp": "ddp",
     "hf_qlora_fsdp2": "fsdp2",
     "hf_peft_lora_projections_ddp": "ddp",

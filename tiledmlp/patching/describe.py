@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -251,9 +251,14 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
     """
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
-    return Description({name: _info(name, state, strategy, seq_len)
-                        for name, _, state, strategy in tiled_states(model)}, seq_len, offloaded_layers(model),
-                       offload_problems(model), attention_layers(model))
+    infos = {}
+    for name, module, state, strategy in tiled_states(model):
+        info = infos[name] = _info(name, state, strategy, seq_len)
+        changes = state.changes(module)
+        if changes:  # planned again by the call (under ZeRO-3 or TP the probe is a collective: not here)
+            infos[name] = replace(info, fallback=f"its submodules changed since enable_tiling ({changes}): planned "
+                                  "again at its next call")
+    return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model))
 
 
 def log_summary(model: nn.Module) -> None:

@@ -20,6 +20,7 @@ from ..offload.checkpointing import checkpointed_layers, install_offload, uninst
 from .describe import log_summary
 from .patch import install, tiled_names, uninstall
 from .planning import plan
+from .state import PlanOptions
 
 __all__ = ["enable_tiling", "disable_tiling", "tiled_modules"]
 
@@ -148,8 +149,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     for option, value in (("norms", norms), ("projections", projections), ("attention", attention)):
         if not isinstance(value, bool):
             raise TypeError(f"{option} must be True or False, got {value!r}")
-    states = plan(model, strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
-                  loss_options, norms, loss_required=loss is True, projections=projections)
+    plan_options = PlanOptions(strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
+                               norms, projections)
+    states = plan(model, plan_options, loss_options, loss_required=loss is True)
     layers = attention_scopes(model, states) if attention else []
     if attention and not layers:
         raise ValueError(f"attention=True runs the attention block of each layer of the model's layer stack (the "

@@ -10,7 +10,6 @@ import copyreg
 import functools
 import logging
 import types
-from dataclasses import replace
 from typing import Any, Iterable, Optional
 
 import torch
@@ -24,13 +23,11 @@ from ..distributed.detect import is_dtensor
 from ..distributed.hooks import HOOK_TABLES, hooked_children
 from ..forms.lora import changed_adapters
 from ..forms.quant import quantized_problem
-from ..recognize.mlp import recognize_mlp
-from .planning import param_slots, traced_call_of
+from .planning import replan
 from .state import STATE_ATTR, TilingState, original_forward
 
-log = logging.getLogger("tiledmlp")
 
-__all__ = ["tiled_forward_of"]
+__all__ = ["followed", "tiled_forward_of"]
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
@@ -86,6 +83,30 @@ def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
 
+def followed(module: nn.Module, state: TilingState) -> TilingState:
+    """``module``'s state, planned again (and installed) where its submodules changed since it was planned
+    (``state.py``'s design note): a call never computes with children the module no longer has, nor misses new
+    ones. Said once per kind of change: at INFO where the module is tiled again, as a warning where it now takes the
+    generic form or runs untiled."""
+    changes = state.changes(module)
+    if not changes:
+        return state
+    again = replan(module, state, changes)
+    module.__dict__[STATE_ATTR] = again
+    name = again.spec.name
+    if again.untiled:
+        again.fallback = again.untiled
+        warn_once(("untiled", name, changes), "%s: %s", name, again.untiled)
+    elif again.warn:
+        warn_once(("planned again", name, changes), "%s: its submodules changed since enable_tiling (%s); planned "
+                  "again, it takes the generic form: %s", name, changes, again.reason)
+    else:
+        warn_once(("planned again", changes, again.kind), "%s (and any module with the same change): its submodules "
+                  "changed since enable_tiling (%s); planned again: the %s form, %s", name, changes, again.kind,
+                  again.computes or again.reason, level=logging.INFO)
+    return again
+
+
 def _tiled_method(module: nn.Module, *args, **kwargs):
     """The ``forward`` installed on a tiled module, as a method bound to it (:func:`tiled_forward_of`).
 
@@ -118,6 +139,8 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     """A tiled module's call as Dynamo traces it: one ``tiledmlp::tiled_call`` operator (``core/compiled.py``), the
     untiled forward where one shard would do, else the eager call (one graph break, said once)."""
     state: TilingState = module.__dict__[STATE_ATTR]
+    if state.changes(module):
+        return _planned_again(module, args, kwargs)
     if state.traced is None:
         reason = ("its generic form's output cannot be sized before it runs (children that are not Linear-like, "
                   "or a whole MoE block)" if state.spec.layout is None else "its parameters do not all live under it")
@@ -173,6 +196,14 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
 
 
 @torch.compiler.disable
+def _planned_again(module: nn.Module, args: tuple, kwargs: dict):
+    """The eager call of a module whose submodules changed since it was planned: it plans the module again
+    (:func:`followed`); the new state fails the guards of the graph that called this, so the next call is traced
+    with the new plan."""
+    return _tiled_forward(module, *args, **kwargs)
+
+
+@torch.compiler.disable
 def _eager_call(module: nn.Module, reason: str, args: tuple, kwargs: dict):
     """The eager tiled call from compiled code (a graph break), said once per reason."""
     warn_once(("compile", reason), "%s (and any other tiled module for this reason): under torch.compile its "
@@ -190,6 +221,9 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
     if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
         return original(*args, **kwargs)
     if _one_shard_inference(state, x, state.spec.layout is not None):
+        return original(*args, **kwargs)
+    state = followed(module, state)
+    if state.untiled:
         return original(*args, **kwargs)
     extra = _other_args(state, args, kwargs)
     if _has_tensor(extra):
@@ -216,10 +250,6 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         warn_once(("hooks", state.spec.name, tuple(hooked)), _HOOKS_TAKE_GENERIC, state.spec.name, ", ".join(hooked),
                   state.kind)
     changed = changed_adapters(state.adapters) if fast and state.adapters else []
-    # merge_and_unload() put plain projections in place of the module's LoRA children (a LoRA projection tiled itself,
-    # form proj, is replaced in its parent instead: never called again)
-    if changed and all(a.layer is not module and getattr(module, a.child, None) is not a.layer for a in state.adapters):
-        state, changed = _adapters_unloaded(module, state), []
     if changed:  # merged, disabled, switched or rescaled: the fast form would compute the recognized adapter
         fast = False
         state.fallback = (f"its LoRA layers changed since enable_tiling ({'; '.join(changed)}): calls take the "
@@ -246,24 +276,6 @@ def _norm_again(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.forward(x)
 
 
-def _adapters_unloaded(module: nn.Module, state: TilingState) -> TilingState:
-    """``module``'s LoRA layers were unloaded since enable_tiling (peft's ``merge_and_unload()`` puts each base
-    layer, the adapter merged into its weight, in its LoRA layer's place): recognized again, with the fast form of
-    its plain projections, under the name it has below the model peft wrapped. Installed for the next calls."""
-    path = [m for m in (ref() for ref in state.path) if m is not None]
-    base = next((m for m in path if not type(m).__module__.startswith("peft")), module)
-    name = next((n for n, m in base.named_modules() if m is module), state.spec.name) or type(module).__name__
-    rec = recognize_mlp(module, original_forward(module), param_slots(module))
-    if rec is None or rec.layout is None or rec.adapters:
-        return state  # cannot happen for a module whose projections were plain before they were wrapped
-    spec = replace(state.spec, name=name, slots=rec.slots, layout=rec.layout)
-    again = replace(state, spec=spec, computes=rec.computes, adapters=(), traced=traced_call_of(module, rec), _auto={})
-    module.__dict__[STATE_ATTR] = again
-    log.info("%s: its LoRA layers were merged and unloaded since enable_tiling; it now takes the fast %s form of its "
-             "merged projections", name, again.kind)
-    return again
-
-
 def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple, kwargs: dict):
     """An experts module's call: ``(hidden_states, top_k_index, top_k_weights)``, the routing tiled with the
     hidden states as token inputs. Runs the module's own forward where tiling cannot help (inside a shard,
@@ -274,6 +286,11 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
     x, index, weights = routed
     if _one_shard_inference(state, x, True):
         return original(*args, **kwargs)
+    state = followed(module, state)
+    if state.untiled:
+        return original(*args, **kwargs)
+    if state.kind != "moe":  # planned again as another form: its own call
+        return _tiled_forward(module, *args, **kwargs)
     hooked = hooked_children(module)
     if hooked:
         warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "

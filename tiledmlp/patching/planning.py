@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from dataclasses import replace
 from typing import Optional
 
-import torch
 from torch import nn
 
 from ..core.logs import warn_once
-from ..core.sharding import ShardPolicy
 from ..distributed.deepspeed import check_deepspeed_module
 from ..distributed.detect import Wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
 from ..distributed.selection import owning_units, strategy_for, validate_forced
@@ -48,9 +47,9 @@ from ..recognize.moe import experts_interface, recognize_experts
 from ..recognize.norms import recognize_norm
 from ..recognize.projections import recognize_projection
 from .call_spec import TiledCallSpec
-from .state import TilingState, TracedCall, original_forward, parallelism_of, saved_forward
+from .state import PlanOptions, TilingState, TracedCall, original_forward, parallelism_of, saved_forward
 
-__all__ = ["register_mlp", "recognize", "param_slots", "plan"]
+__all__ = ["register_mlp", "recognize", "param_slots", "plan", "replan"]
 
 _REGISTERED: list[type] = []
 
@@ -174,15 +173,14 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
     return forced, [weakref.ref(m) for m in path]
 
 
-def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tuple[type, ...],
-         include_moe: bool, form: str, grad_accum_dtype: Optional[torch.dtype],
-         loss: Optional[LossOptions] = None, norms: bool = False, loss_required: bool = True,
-         projections: bool = False) -> dict[str, TilingState]:
-    """Recognize and validate every MLP (with ``loss``, every causal-LM head; with ``norms``, every
-    normalization layer; with ``projections``, every LoRA-adapted projection outside them and outside the
-    heads) of ``model`` without changing anything. ``loss_required``: a head that cannot be
+def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = None,
+         loss_required: bool = True) -> dict[str, TilingState]:
+    """Recognize and validate every MLP (with ``options.norms``, every normalization layer; with
+    ``options.projections``, every LoRA-adapted projection outside them and outside the heads; with ``loss``, every
+    causal-LM head) of ``model`` without changing anything. ``loss_required``: a head that cannot be
     tiled (or none) is an error; otherwise (``enable_tiling``'s default) it is logged and left as it is.
     ValueError, naming what was found, when nothing would be tiled."""
+    projections = options.projections
     states: dict[str, TilingState] = {}
     covered: list[str] = []  # names of recognized modules: their subtrees are not tiled again
     excluded: list[str] = []  # MoE blocks that include_moe=False leaves untiled
@@ -192,7 +190,8 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, extra_types, include_moe, form, root=model, experts_seen=experts_seen, norms=norms,
+        rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+                        experts_seen=experts_seen, norms=options.norms,
                         projections=projections and id(module) not in heads)
         if rec is None:
             continue
@@ -202,28 +201,62 @@ def plan(model: nn.Module, strategy: str, policy: ShardPolicy, extra_types: tupl
             covered.append(f"{name}.experts" if name else "experts")
             continue
         covered.append(name)
-        nested = fsdp2_units_below(module)
-        if nested:
-            raise ValueError(
-                f"{label}: fully_shard was applied to {nested} inside this MLP; tiling recomputes the "
-                "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
-                "above it (e.g. the decoder layer) instead."
-            )
-        forced, path = _strategy_of(model, module, rec.slots, strategy, label, rec)
-        spec = TiledCallSpec(name=label, slots=rec.slots, policy=policy, layout=rec.layout,
-                             is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
-                             grad_accum_dtype=grad_accum_dtype,
-                             quantized=rec.quantized)
-        names = _input_names(original_forward(module))
-        states[name] = TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module),
-                                   forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
-                                   token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
-                                   traced=traced_call_of(module, rec), adapters=rec.adapters)
+        states[name] = _module_state(model, module, label, rec, options)
     if loss is not None:
-        states.update(_plan_heads(model, strategy, loss, loss_required))
+        states.update(_plan_heads(model, options.strategy, loss, loss_required))
     if not states:
         raise ValueError(_nothing_recognized(model, excluded, loss is not None))
     return states
+
+
+def _module_state(model: nn.Module, module: nn.Module, label: str, rec: Recognized,
+                  options: PlanOptions) -> TilingState:
+    """The tiling state of ``module`` (``label`` in ``model``), recognized as ``rec``; ValueError where its wrapping
+    cannot be tiled exactly."""
+    nested = fsdp2_units_below(module)
+    if nested:
+        raise ValueError(
+            f"{label}: fully_shard was applied to {nested} inside this MLP; tiling recomputes the "
+            "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
+            "above it (e.g. the decoder layer) instead."
+        )
+    forced, path = _strategy_of(model, module, rec.slots, options.strategy, label, rec)
+    spec = TiledCallSpec(name=label, slots=rec.slots, policy=options.policy, layout=rec.layout,
+                         is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
+                         grad_accum_dtype=options.grad_accum_dtype, quantized=rec.quantized)
+    names = _input_names(original_forward(module))
+    return TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module),
+                       forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
+                       token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
+                       traced=traced_call_of(module, rec), adapters=rec.adapters, members=tuple(module.named_modules()),
+                       options=options)
+
+
+def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
+    """``module``'s state planned again because its submodules changed since (``changes``, from
+    :meth:`TilingState.changes`), with the options ``enable_tiling`` was given, inside the model it was planned in
+    (the outermost module of its path still alive; past a peft wrapper that may since have been unloaded). A module
+    that is no longer recognized (or excluded) keeps its state with ``untiled`` set: its calls run its own forward.
+    Runs the recognition probe: under ZeRO-3 or tensor parallelism a collective, which every rank reaches at the
+    same call, as the same change was made on all of them."""
+    options = state.options
+    path = [m for m in (ref() for ref in state.path) if m is not None] or [module]
+    model = next((m for m in path if not type(m).__module__.startswith("peft")), path[0])
+    if not any(m is module for m in model.modules()):
+        model = module
+    name = next(n for n, m in model.named_modules() if m is module)
+    label = name or type(module).__name__
+    kind = state.kind
+    rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+                    norms=options.norms and kind == "norm", projections=options.projections and kind == "proj")
+    if rec is None or rec.kind == "excluded":
+        return replace(state, members=tuple(module.named_modules()), untiled=(
+            f"its submodules changed since enable_tiling ({changes}) and it is no longer recognized as a module "
+            "tiling can compute, so it runs its own forward, untiled; call tiledmlp.enable_tiling(model) again "
+            "after the change to see why"))
+    again = _module_state(model, module, label, rec, options)
+    again.key, again.remembers_output = state.key, state.remembers_output
+    return again
 
 
 def _nothing_recognized(model: nn.Module, excluded: list[str], with_loss: bool) -> str:

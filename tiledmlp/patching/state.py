@@ -1,7 +1,21 @@
 """The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call
-spec, form, strategy, the forward it replaced, how compiled code reaches it), kept in the module's ``__dict__``
-under :data:`STATE_ATTR`, and the operators' implementations the compiled call runs on it. Imported by the planning
-(which makes states), the patched forwards (which read them) and the installer; imports none of them.
+spec, form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
+options to plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`, and the operators'
+implementations the compiled call runs on it. Imported by the planning (which makes states), the patched forwards
+(which read them) and the installer; imports none of them.
+
+Design note — a module that changed since it was planned
+--------------------------------------------------------
+A state is a plan for the module as it was: which children compute what (``spec.slots``' owners, the layout, the
+LoRA adapters), never the parameter tensors themselves, which every call reads through the slots (so a parameter
+replaced on its module — ``load_state_dict(assign=True)``, ``to_empty()``, an optimizer wrapper, FSDP2's unsharded
+parameters — is followed by construction). What a call cannot follow is a submodule replaced, added or removed:
+peft's ``get_peft_model`` or ``add_adapter`` after ``enable_tiling`` (TRL's ``SFTTrainer(peft_config=...)``),
+``merge_and_unload()``, a projection assigned anew. So the state keeps the module's subtree as it was planned
+(:attr:`TilingState.members`, ``named_modules()``: the modules themselves) and every call that would tile checks
+it by identity (:meth:`TilingState.changes`: one walk of the module's few submodules); a module that changed is
+planned again, with the options ``enable_tiling`` was given (:class:`PlanOptions`), before the call runs
+(``tiledmlp.patching.planning.replan``).
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..core.compiled import STATE_ATTR
+from ..core.sharding import ShardPolicy
 from ..core.function import backward_shards, forward_shards
 from ..distributed.deepspeed import is_zero_managed
 from ..distributed.detect import Wrapping, detect_wrapping
@@ -24,7 +39,22 @@ from ..distributed.tensor_parallel import TPPlan, tp_plan
 from ..forms.base import Slot
 from .call_spec import TiledCallSpec
 
-__all__ = ["STATE_ATTR", "TilingState", "TracedCall"]
+__all__ = ["STATE_ATTR", "PlanOptions", "TilingState", "TracedCall"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``enable_tiling`` asked of the modules it planned: kept by each state, so that a module that changed
+    since is planned again as it would be now (``planning.replan``)."""
+
+    strategy: str
+    policy: ShardPolicy
+    extra_types: tuple[type, ...] = ()
+    include_moe: bool = True
+    form: str = "auto"
+    grad_accum_dtype: Optional[torch.dtype] = None
+    norms: bool = False
+    projections: bool = False
 
 
 @dataclass
@@ -54,7 +84,32 @@ class TilingState:
     fallback: str = ""  # calls seen at run time that took the untiled path, and why (describe(); said once in a log)
     # a normalization layer's outputs are remembered for projections that keep its input (attention=True sets it)
     remembers_output: bool = False
+    # The module's subtree when it was planned (``named_modules()``, itself first), checked by identity at every
+    # call (:meth:`changes`), and the options to plan it again; a loss head has neither (its owner follows a new head)
+    members: tuple = ()
+    options: Optional[PlanOptions] = None
+    untiled: str = ""  # why a module that changed since enable_tiling runs its own forward ("" while it is tiled)
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
+
+    def changes(self, module: nn.Module) -> str:
+        """What was replaced, added or removed below ``module`` since it was planned ("" if nothing): an identity
+        walk of its submodules; the names are worked out only when something changed."""
+        if self.options is None:
+            return ""
+        now = module.modules()
+        if all(next(now, None) is m for _, m in self.members) and next(now, None) is None:
+            return ""
+        then, now = dict(self.members), dict(module.named_modules())
+
+        def outermost(names: list[str], above: list[str] = ()) -> list[str]:  # not below another one listed
+            return [n for n in names if not any(n.startswith(o + ".") for o in [*names, *above] if o != n)]
+
+        replaced = outermost([n for n in now if n in then and now[n] is not then[n]])
+        added = outermost([n for n in now if n not in then], replaced)
+        removed = outermost([n for n in then if n not in now], replaced)
+        return "; ".join(
+            [f"{', '.join(f'{n} ({type(now[n]).__name__})' for n in replaced)} replaced"] * bool(replaced)
+            + [f"new: {', '.join(added)}"] * bool(added) + [f"removed: {', '.join(removed)}"] * bool(removed))
 
     def strategy(self, module: nn.Module) -> Strategy:
         if self.forced is not None:

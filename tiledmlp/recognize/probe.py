@@ -81,11 +81,17 @@ def _mode(module: nn.Module, training: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
-    """Full-precision float32 matmuls (no TF32), restored on exit."""
+    """Full-precision float32 matmuls (no TF32) and no autocast, restored on exit. A module changed since
+    ``enable_tiling`` is probed again inside a training step, which may run under autocast (the Trainer's
+    ``bf16=True``): the probe compares float32 computations, never autocast's."""
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            yield
     finally:
         torch.set_float32_matmul_precision(saved)
 
