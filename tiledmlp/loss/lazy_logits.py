@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from ..core.function import AutocastReplay
+from ..distributed.deepspeed import gathered, gathered_for_backward, is_zero3_param
 from ..distributed.detect import is_dtensor, storage_freed
 from ..kernels.cross_entropy import LogitTransform
 from .cross_entropy import compute_dtype
@@ -55,6 +56,7 @@ class LogitsRecipe:
         self.on_materialize = on_materialize
         self._autocast = AutocastReplay()
         self._versions = self._version_of()
+        self._partitions = self._partition_sums()
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.hidden, self.weight, self.bias) if t is not None]
@@ -62,9 +64,26 @@ class LogitsRecipe:
     def _version_of(self) -> list[int]:
         return [t._version for t in self._tensors()]
 
+    def _partition_sums(self) -> list[torch.Tensor]:
+        """A ZeRO-3 parameter's values live in this rank's partition, which its optimizer step overwrites through
+        ``.data`` (no version bump): the partition's sum stands for them (one reduction over the partition per head
+        call, no synchronization; compared only when the logits are computed)."""
+        return [t.ds_tensor.detach().sum(dtype=torch.float64) for t in (self.weight, self.bias)
+                if t is not None and is_zero3_param(t)]
+
     def compute(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         with self._autocast():
             return F.linear(hidden, weight, bias)
+
+    def head_params(self) -> list[torch.Tensor]:
+        """The head's weight and bias: under ZeRO-3 partitioned again after the forward, gathered (a collective over
+        the engine's ranks, which all read the logits, as the ``Trainer``'s evaluation does) to compute them."""
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+    def base_logits(self) -> torch.Tensor:
+        """``F.linear(hidden, weight, bias)`` as the call computed it, without autograd history."""
+        with torch.no_grad(), gathered(self.head_params()):
+            return self.compute(self.hidden, self.weight, self.bias)
 
     def check(self) -> None:
         if any(is_dtensor(t) or storage_freed(t) for t in self._tensors()):
@@ -73,7 +92,8 @@ class LogitsRecipe:
                 "weights are no longer gathered (an FSDP unit resharded them after forward). Read the logits "
                 "inside the model's forward, call the model without labels to get real logits, or enable "
                 "tiling with loss=False.")
-        if self._version_of() != self._versions:
+        if self._version_of() != self._versions or not all(
+                torch.equal(a, b) for a, b in zip(self._partition_sums(), self._partitions)):
             raise ValueError(
                 "these logits were never computed (tiledmlp computed the loss without them), and the hidden "
                 "states or the head's weights changed in place since that forward (an optimizer step?), so "
@@ -155,8 +175,8 @@ class LazyLogits(torch.Tensor):
         if state.cell.value is None:
             recipe = state.recipe
             recipe.check()
+            value = recipe.base_logits()
             with torch.no_grad():
-                value = recipe.compute(recipe.hidden, recipe.weight, recipe.bias)
                 for op, args, kwargs in state.ops:
                     value = op(value, *args, **kwargs)
             state.cell.value = value
@@ -266,14 +286,14 @@ class _LazyHead(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         recipe: LogitsRecipe = ctx.recipe
         recipe.check()
-        leaves = [None if t is None else t.detach().requires_grad_(need)
-                  for t, need in zip((recipe.hidden, recipe.weight, recipe.bias), ctx.needs_input_grad[3:])]
-        wanted = [t for t in leaves if t is not None and t.requires_grad]
-        if not wanted:
+        if not any(ctx.needs_input_grad[3:]):
             return (None,) * 6
-        with torch.enable_grad():
+        # ZeRO-3: the head gathered again, each trainable parameter until its gradient is accumulated
+        with torch.enable_grad(), gathered_for_backward(recipe.head_params()):
+            leaves = [None if t is None else t.detach().requires_grad_(need)
+                      for t, need in zip((recipe.hidden, recipe.weight, recipe.bias), ctx.needs_input_grad[3:])]
             out = recipe.compute(*leaves)
-        grads = iter(torch.autograd.grad(out, wanted, grad))
+            grads = iter(torch.autograd.grad(out, [t for t in leaves if t is not None and t.requires_grad], grad))
         return (None, None, None, *[next(grads) if t is not None and t.requires_grad else None for t in leaves])
 
 
