@@ -10,4 +10,12 @@ if ! "${PYTHON:-python3}" -c "import deepspeed" >/dev/null 2>&1; then
     echo "[tests] installing the deepspeed test extra"
     "${PYTHON:-python3}" -m pip install --quiet -e ".[deepspeed]"
 fi
-exec "${PYTHON:-python3}" -m pytest tests -q -p no:cacheprovider "$@"
+# Paths given replace the default one (tests): `bash tests/run.sh tests/unit -k lora` runs the unit suite only.
+paths=(tests)
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        paths=()
+        break
+    fi
+done
+exec "${PYTHON:-python3}" -m pytest "${paths[@]}" -q -p no:cacheprovider "$@"

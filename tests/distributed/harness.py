@@ -85,27 +85,91 @@ class Suite:
             REPORT.append((self.module, case, results))
 
 
+#: torchrun processes of the launches running now: ended with this process on SIGTERM or SIGINT (a CI timeout, ^C)
+_RUNNING: set[int] = set()
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, their children, ... (from ``/proc``: torchrun starts each rank in a session of its own,
+    which killing torchrun's process group does not reach)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _kill_launch(pid: int) -> None:
+    """SIGKILL to torchrun ``pid`` and every process below it."""
+    for p in [pid, *_descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _end_launches_then(previous: Any) -> Any:
+    """A signal handler that kills the running launches (torchrun and its ranks, in sessions of their own, which a
+    signal to this process's group does not reach), then does what ``previous`` (the handler it replaces) did."""
+    def handler(signum: int, frame: Any) -> None:
+        for pid in list(_RUNNING):
+            _kill_launch(pid)
+        _RUNNING.clear()
+        if callable(previous):
+            previous(signum, frame)
+        else:  # SIG_DFL: die of the signal, as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+    return handler
+
+
+def _install_signal_handlers() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        current = signal.getsignal(signum)
+        if getattr(current, "__qualname__", "").startswith(_end_launches_then.__name__):
+            continue  # already ours
+        if current is not signal.SIG_IGN:
+            signal.signal(signum, _end_launches_then(current))
+
+
 def launch(module: str, nproc: Optional[int] = None, cases: tuple[str, ...] = (),
            device: Optional[str] = None, timeout_s: float = LAUNCH_TIMEOUT_S) -> Suite:
-    """torchrun ``worker.py module`` on ``nproc`` processes (all its cases, or ``cases``)."""
+    """torchrun ``worker.py module`` on ``nproc`` processes (all its cases, or ``cases``). ``device="cpu"`` on a GPU
+    machine (more processes than GPUs): gloo, with the GPUs hidden from the ranks (DeepSpeed would otherwise put
+    several ranks on one GPU, whose collectives then never complete)."""
     nproc = nproc or default_nproc()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if device is not None:
         env["TILEDMLP_TEST_DEVICE"] = device
+    if device == "cpu":
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    _install_signal_handlers()
     with tempfile.TemporaryDirectory(prefix=f"tiledmlp-{module}-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(WORKER), module, out, *cases]
-        # A session of its own, so a timeout kills torchrun and all its ranks together.
+        # A session of its own: a signal to pytest's group reaches it only through the handlers above.
         proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
+        _RUNNING.add(proc.pid)
         try:
             output, _ = proc.communicate(timeout=timeout_s)
             returncode: Optional[int] = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_launch(proc.pid)
             output, _ = proc.communicate()
             output += f"\n[harness] killed after {timeout_s:.0f} s"
             returncode = None
+        finally:
+            _RUNNING.discard(proc.pid)
         files = sorted(Path(out).glob("rank*.json"), key=lambda p: int(p.stem.removeprefix("rank")))
         ranks = [json.loads(p.read_text()) for p in files]
     return Suite(module, nproc, ranks, output, returncode)
