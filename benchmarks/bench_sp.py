@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -67,6 +68,7 @@ from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
 from reporting import fmt, save_results  # noqa: E402
+from row_outcomes import RowOutcomes  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn") + RING
@@ -193,6 +195,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shard", choices=("none", "fsdp2"), default="none",
                         help="fsdp2: the weights sharded over the ranks (a unit per decoder layer and the root)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
+    parser.add_argument("--oom-grace-s", type=float, default=60.0,
+                        help="how long a rank may stay in a step after another ran out of memory before the run is "
+                             "ended as blocked (row_outcomes.py)")
     args = parser.parse_args(argv)
     args.seq_lens = [int(t) for t in (args.seq_lens or ("256" if args.smoke else "262144,524288")).split(",")]
     on_gpus = torch.cuda.is_available() and not args.smoke
@@ -250,22 +255,34 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                             ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"),
                             ("transformers", "deepspeed", "tiledmlp"), show=show)
 
+    # A rank out of memory inside a step leaves the others blocked in a collective: every row's outcome is agreed
+    # out of band (row_outcomes.py), and a rank blocked past the grace time writes the row (rank 0) and exits.
+    outcomes = RowOutcomes(grace_s=args.oom_grace_s)
+    out_of_memory = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grad_rel": math.nan}
     for tokens in args.seq_lens:
         for variant in args.variants:
             configure(model, variant)
-            try:
-                result = measure(model, variant, tokens, group, device, ring, sharded=args.shard == "fsdp2")
-            except torch.OutOfMemoryError:
-                result = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grads": {}}
-            grads = result.pop("grads")
-            if variant == "untiled":
-                reference[tokens] = grads
-            result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
-            rows.append({"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"],
-                         **result})
+            row = {"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"]}
+
+            def stuck(why: str) -> None:
+                print(f"  T={tokens:>8} {variant:<20} out of memory: {why}; ending the run", flush=True)
+                if dist.get_rank() == 0:
+                    save([*rows, {**row, **out_of_memory}], show=True)
+
+            result, status = outcomes.run(functools.partial(measure, model, variant, tokens, group, device, ring,
+                                                            sharded=args.shard == "fsdp2"), stuck)
+            if status == "oom":
+                rows.append({**row, **out_of_memory})
+            else:
+                grads = result.pop("grads")
+                if variant == "untiled":
+                    reference[tokens] = grads
+                result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
+                rows.append({**row, **result})
             if dist.get_rank() == 0:
-                print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(result['peak_gib'])} step_s={fmt(result['step_s'])}"
-                      f" grad_rel={fmt(result['grad_rel'])}", flush=True)
+                last = rows[-1]
+                print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(last['peak_gib'])} step_s={fmt(last['step_s'])}"
+                      f" grad_rel={fmt(last['grad_rel'])}", flush=True)
                 save(rows, show=False)  # every row on disk as it comes: a run cut short keeps what it measured
     if dist.get_rank() == 0:
         rows = save(rows, show=True)

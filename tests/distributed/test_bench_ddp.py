@@ -86,3 +86,52 @@ def test_bench_sp_smoke(tmp_path, shard):
     assert all(float(rows[v]["grad_rel"]) <= 1e-5 for v in variants if v.startswith("tiled")), rows
     if shard == "none":
         assert float(rows["alst"]["grad_rel"]) > 10, rows["alst"]
+
+
+#: Rows run through benchmarks/row_outcomes.py on 2 gloo ranks. Row 0: both ranks run out of memory before any
+#: collective (both leave the row: agreed, the run goes on). Row 1: rank 1 runs out of memory while rank 0 waits in an
+#: all-reduce rank 1 never joins (rank 0 is blocked: it writes the row and the run ends).
+_ROWS = """
+import sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, "benchmarks")
+from row_outcomes import RowOutcomes
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+outcomes = RowOutcomes(grace_s=3)
+
+def both_out_of_memory():
+    raise torch.OutOfMemoryError("simulated")
+
+def one_out_of_memory_in_a_collective():
+    if rank == 1:
+        raise torch.OutOfMemoryError("simulated")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return "measured"
+
+def write(line):
+    with open(f"{out}/rank{rank}.txt", "a") as handle:
+        handle.write(line + "\\n")
+
+write("row0 " + outcomes.run(both_out_of_memory, lambda why: write("stuck " + why))[1])
+write("row1 " + outcomes.run(one_out_of_memory_in_a_collective, lambda why: write("stuck " + why))[1])
+write("never")
+"""
+
+
+def test_rank_out_of_memory_ends_the_blocked_ranks(tmp_path):
+    """bench_sp.py on 2 x H200 at 3,145,728 tokens: one rank ran out of memory, the other waited 9 minutes in a
+    collective. Now every rank learns it within the grace time and records it; a blocked rank ends the run."""
+    script = tmp_path / "rows.py"
+    script.write_text(_ROWS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    rank0 = (tmp_path / "rank0.txt").read_text().splitlines()
+    rank1 = (tmp_path / "rank1.txt").read_text().splitlines()
+    assert rank0[0] == rank1[0] == "row0 oom", (rank0, rank1)
+    assert rank0[1] == "stuck rank 1 ran out of memory; rank 0 is blocked in a collective it will not join", rank0
+    assert "never" not in rank0 + rank1, (rank0, rank1)
