@@ -123,6 +123,23 @@ def ddp_tile_before_wrap(env: Env) -> dict[str, Any]:
 
 
 @case
+def ddp_forced_plain_before_wrap_refused(env: Env) -> dict[str, Any]:
+    """``strategy="plain"`` forced on the bare model, then DDP: the first call under DDP checks the forced strategy
+    against the wrapping, as enable_tiling does on a wrapped model (before: accepted and reported plain)."""
+    from tiledmlp import enable_tiling
+
+    torch.manual_seed(0)
+    model = enable_tiling(TinyLM().to(env.device), strategy="plain", tile_tokens=16)
+    wrapped = ddp(env)(model)
+    batch = token_batches(env)[0][0]
+    try:
+        wrapped(batch["ids"], batch["labels"])
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    return {"refused": ""}
+
+
+@case
 def ddp_generic_form(env: Env) -> dict[str, Any]:
     """The generic form (module's own forward per shard) instead of the fast GLU form."""
     return untiled_vs_tiled(_lm(env, wrap=ddp(env), tile=enable(tile_tokens=16, form="generic")), env)

@@ -25,7 +25,8 @@ STANDARD = {
     "ddp_apply_tiled_mlp": None,
 }
 SPECIAL = {"ddp_static_graph", "ddp_no_sync_accumulation", "ddp_no_sync_tile_before_wrap",
-           "ddp_moe_experts_unused_without_find_unused", "ddp_anchor_control"}
+           "ddp_moe_experts_unused_without_find_unused", "ddp_anchor_control",
+           "ddp_forced_plain_before_wrap_refused"}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,11 @@ def test_anchor_control_is_caught(suite):
     (or fails): the suite's comparison detects the failure mode that tiledmlp avoids."""
     for m in suite.metrics("ddp_anchor_control"):
         assert m["anchor_error"] is not None or m["update_rel"] > 0.1, m
+
+
+def test_forced_plain_before_wrap_is_refused_under_ddp(suite):
+    for rank, m in enumerate(suite.metrics("ddp_forced_plain_before_wrap_refused")):
+        assert "strategy='plain' does not match how" in m["refused"] and "(ddp)" in m["refused"], (rank, m)
 
 
 def test_every_case_checked(suite):

@@ -42,3 +42,25 @@ def documented_table(page: str) -> str:
 def test_the_documented_describe_table_is_the_programs(page):
     generated = str(tiledmlp.describe(tiledmlp.enable_tiling(documented_model()), seq_len=131072))
     assert documented_table(page) == generated, f"{page} shows a stale table; the code prints:\n{generated}"
+
+
+def test_the_quickstart_runs_as_written(tmp_path):
+    """The README's Quickstart is a whole script (before: a fragment with cfg, ids and hidden undefined)."""
+    import os
+    import subprocess
+    import sys
+
+    block = re.search(r"## Quickstart\n.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("tiled 2 MLPs: 2 glu, loss tiled at lm_head") and "MLP output (1, 2048, 256)" in \
+        proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_version_is_the_changelogs():
+    """The package, pyproject.toml and the newest CHANGELOG.md entry name one version."""
+    newest = re.search(r"^## (\d+\.\d+\.\d+)", (ROOT / "CHANGELOG.md").read_text(), re.M).group(1)
+    declared = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert tiledmlp.__version__ == declared == newest, (tiledmlp.__version__, declared, newest)

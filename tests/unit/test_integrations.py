@@ -16,7 +16,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "integrations.md").
 
 
 def test_the_page_has_its_blocks():
-    assert len(BLOCKS) == 6
+    assert len(BLOCKS) == 7
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -27,8 +27,8 @@ def test_block_runs(index, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}",
-                2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['glu', 'loss']", 4: "['glu', 'loss', 'proj']",
-                5: "fsdp2+tp"}[index]
+                2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['glu', 'loss']",
+                4: "[('glu', True), ('loss', False)]", 5: "['glu', 'loss', 'proj']", 6: "fsdp2+tp"}[index]
     assert expected in last, proc.stdout[-2000:]
 
 

@@ -81,6 +81,7 @@ def test_losses_computed_outside_the_model_are_said(tmp_path, caplog, how):
     assert len(said) == 1 and "label_smoothing_factor and compute_loss_func" in said[0], said
     assert tiledmlp.describe(tiled)["lm_head"].fallback == UNTILED_TRAINING_CALL
     assert f"untiled: {UNTILED_TRAINING_CALL}" in str(tiledmlp.describe(tiled))
+    assert f"loss tiled at lm_head (untiled: {UNTILED_TRAINING_CALL})" in tiledmlp.describe(tiled).summary()
 
 
 def test_labels_in_the_call_stay_tiled_and_say_nothing(tmp_path, caplog):

@@ -129,6 +129,8 @@ FAMILIES = {
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}, "glu"),
     "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, {}, "glu"),
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {}, "glu"),
+    # dense_h_to_4h -> GELU -> dense_4h_to_h, FalconLinear (an nn.Linear subclass with a forward of its own)
+    "falcon": (tf.FalconConfig, tf.FalconForCausalLM, {"new_decoder_architecture": False}, "mlp"),
     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, MOE, "moe"),
     "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, {**MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}, "moe"),
 }
@@ -136,7 +138,9 @@ FAMILIES = {
 
 def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     config_cls, model_cls, extra, _ = FAMILIES[family]
-    config = config_cls(**{**COMMON, **extra, **overrides})
+    # a family whose config computes one of the common sizes (Falcon's head_dim) is not given it
+    config = config_cls(**{k: v for k, v in {**COMMON, **extra, **overrides}.items()
+                           if not isinstance(getattr(config_cls, k, None), property)})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return model_cls(config).float()

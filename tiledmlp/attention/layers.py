@@ -170,6 +170,7 @@ class GroupedAttentionMode(TorchFunctionMode):
         self.whole = 0  # calls short enough for one group: the original call
         self.untouched: Counter[str] = Counter()  # reason -> calls left to the original
         self.of_norm = 0  # projections of a tiled norm's output that kept the norm's input instead
+        self.entered = 0  # the block's calls with a gradient enabled (under this mode)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -270,6 +271,7 @@ def _layer_method(layer: nn.Module, *args, **kwargs):
     forward = previous if previous is not None else functools.partial(type(layer).forward, layer)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    mode.entered += 1
     with mode:
         return forward(*args, **kwargs)
 
@@ -330,9 +332,17 @@ def uninstall_attention(model: nn.Module) -> None:
 def attention_layers(model: nn.Module) -> dict[str, str]:
     """``{block name: what its attention calls did}`` for the blocks ``attention=True`` was enabled in; a block
     that ran no SDPA call needing a gradient says so."""
-    return {name: module.__dict__[_MODE_ATTR].report()
-            or "no F.scaled_dot_product_attention call seen yet (an 'eager' attention implementation?)"
-            for name, module in model.named_modules() if _MODE_ATTR in module.__dict__}
+    return {name: _said(module.__dict__[_MODE_ATTR]) for name, module in model.named_modules()
+            if _MODE_ATTR in module.__dict__}
+
+
+def _said(mode: GroupedAttentionMode) -> str:
+    if mode.report():
+        return mode.report()
+    if not mode.entered:
+        return "not called for training yet"
+    return (f"no F.scaled_dot_product_attention call needing a gradient in {mode.entered} training call(s) (an "
+            "'eager' attention implementation?)")
 
 
 def reduce_layer_method(method: types.MethodType) -> Optional[tuple]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Hashable
 
-__all__ = ["warn_once", "warn_once_traced"]
+__all__ = ["warn_once", "warn_once_traced", "set_traced"]
 
 log = logging.getLogger("tiledmlp")
 _SAID: set[Hashable] = set()  # keys of the warnings already logged
@@ -27,3 +27,20 @@ def warn_once_traced(key: Hashable, message: str, *args: Any) -> None:
 
     comptime(lambda ctx: warn_once(*(ctx.get_local(name).as_python_constant() for name in ("key", "message")),
                                    *ctx.get_local("args").as_python_constant()))
+
+
+def set_traced(holder: Any, attribute: str, value: str) -> None:
+    """``setattr(holder, attribute, value)`` from code Dynamo traces, when the code is compiled (``comptime``, as
+    :func:`warn_once_traced`): what a compiled call did, for ``describe()``. ``attribute`` and ``value`` must be
+    constants; ``holder`` is reached through comptime's escape hatch to the traced object (where a torch release
+    changes it, nothing is set: only describe() misses the note)."""
+    from torch._dynamo.comptime import comptime
+
+    def note(ctx: Any) -> None:
+        try:
+            target = ctx.get_local("holder")._i_will_not_complain_if_bc_breaks_VariableTracker().value
+        except AttributeError:
+            return
+        setattr(target, ctx.get_local("attribute").as_python_constant(), ctx.get_local("value").as_python_constant())
+
+    comptime(note)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.function import in_shard
-from ..core.logs import warn_once, warn_once_traced
+from ..core.logs import set_traced, warn_once, warn_once_traced
 from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.sequence_parallel import SequenceSplit, split_of
 from ..forms.base import Slot, is_plain_linear, is_quantized
@@ -44,6 +44,8 @@ __all__ = ["LossOptions", "LossOwner", "HeadSpec", "find_causal_lms", "TiledHead
 OWNER_ATTR = "_tiledmlp_loss_owner"
 #: ``TilingState.fallback`` of a head once a training call without labels computed real logits
 UNTILED_TRAINING_CALL = "training calls without labels compute the full logits (the caller computes the loss)"
+#: ``TilingState.fallback`` of a head called inside a torch.compile'd region (the whole model compiled)
+COMPILED_HEAD = "called inside a torch.compile'd region: full logits, untiled loss"
 #: ``TilingState.fallback`` of a head with full backward hooks of its own
 HOOKED_HEAD = "backward hooks on the head take the logits' gradient: full logits, untiled loss"
 
@@ -292,6 +294,7 @@ class TiledCausalLMLoss:
                 warn_once_traced(("compiled head", spec.name), "%s: inside a torch.compile'd region the tiled loss "
                                  "runs untiled (the model materializes its T x vocab logits); compile the decoder "
                                  "layers instead of the whole model to keep the tiled loss", spec.name)
+                set_traced(state, "fallback", COMPILED_HEAD)
             call = owner.calls[-1] if owner.calls else None
             if call is not None and call.materialized_by is not None:
                 raise ValueError(

@@ -1,5 +1,6 @@
 """Checkpointed layer inputs offloaded to host memory (``offload="cpu"``): ``host`` (the mechanics: pinned
-buffers, side-stream copies, prefetch, and their design notes), ``checkpointing`` (the entry points: a drop-in
+buffers, side-stream copies, prefetch, and their design notes), ``host_memory`` (what host memory this process may
+take, control groups included), ``checkpointing`` (the entry points: a drop-in
 ``checkpoint``, Hugging Face layers' checkpoint function replaced and restored).
 
 Imports ``tiledmlp.core``. (``tiledmlp.offload`` was one module before the subpackages; what it exported still

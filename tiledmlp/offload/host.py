@@ -54,7 +54,6 @@ that is what the CPU tests exercise.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,24 +62,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch.profiler import record_function
 
+from ..core.logs import warn_once
+from .host_memory import available_host_bytes
+
 __all__ = ["HostOffload", "MIN_BYTES"]
 
 MIN_BYTES = 1 << 20  # arguments smaller than this stay on the device
 _HOST_MARGIN = 2 << 30  # host memory left free for everything else
-
-
-def _available_host_bytes() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @dataclass
@@ -240,7 +228,7 @@ class HostOffload:
 
     def _check_host_memory(self, nbytes: int) -> None:
         """Refuse, before copying, a step whose offloaded inputs cannot fit in host memory."""
-        available = _available_host_bytes()
+        available = available_host_bytes()
         if available is None:
             return
         regions = max(self.expected_regions - self.stats["host_buffers"], 1)
@@ -297,6 +285,10 @@ class HostOffload:
         return out
 
     def _send(self, tensors: list[torch.Tensor]) -> _Region:
+        if self.stream is None:  # exact, and how the CPU tests exercise it, but it saves nothing
+            warn_once(("offload from the host",), "offload='cpu': the checkpointed layers compute on the CPU, so their "
+                      "inputs are only copied within host memory (no memory saved, results unchanged); it saves "
+                      "device memory when the model is on a GPU")
         nbytes = [t.numel() * t.element_size() for t in tensors]
         hosts = [self._host_buffer(n) for n in nbytes]
         if self.stream is None:

@@ -74,9 +74,11 @@ class Description(dict):
     (:meth:`summary`)."""
 
     def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
-                 not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None) -> None:
+                 not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None,
+                 on_cpu: bool = False) -> None:
         super().__init__(infos)
         self.tokens = tokens
+        self.on_cpu = on_cpu  # every parameter of the model is in host memory
         self.offloaded = list(offloaded)  # modules whose checkpointed inputs wait in host memory
         # modules offload="cpu" was enabled for whose inputs stay on the device now, and why
         self.not_offloaded = dict(not_offloaded or {})
@@ -96,9 +98,16 @@ class Description(dict):
         projections = sum(i.form == "proj" for i in infos)
         if projections:
             parts.append(f"{projections} LoRA projection{'s' if projections != 1 else ''}")
-        heads = [i.name or "<root>" for i in infos if i.form == "loss"]
+        heads = [(i.name or "<root>") + (f" (untiled: {i.fallback})" if i.fallback else "")
+                 for i in infos if i.form == "loss"]
         if heads:
             parts.append(f"loss tiled at {', '.join(heads)}")
+        fell_back = Counter(i.fallback for i in infos if i.fallback and i.form != "loss")
+        if fell_back:  # what calls did instead of what was planned, as the table's rows say
+            n = sum(fell_back.values())
+            parts.append(f"{n} module{'s' if n != 1 else ''} not as planned ("
+                         + "; ".join(f"{k} x {why}" for why, k in fell_back.most_common(2))
+                         + ("; ..." if len(fell_back) > 2 else "") + ")")
         strategies = sorted({i.strategy for i in infos})
         parts.append(f"strateg{'y' if len(strategies) == 1 else 'ies'} {', '.join(strategies)}")
         sized = [i.scratch_bytes for i in infos if i.scratch_bytes is not None]
@@ -106,7 +115,9 @@ class Description(dict):
             # Modules run one after another: the peak is the largest, not the sum.
             parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
         if self.offloaded:
-            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host")
+            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host"
+                         + (" (the model is on the CPU: copied within host memory, nothing saved)"
+                            if self.on_cpu else ""))
         if self.not_offloaded:
             parts.append(f"offload='cpu' off for {len(self.not_offloaded)} layers: "
                          f"{sorted(set(self.not_offloaded.values()))[0]}")
@@ -258,7 +269,9 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
         if changes:  # planned again by the call (under ZeRO-3 or TP the probe is a collective: not here)
             infos[name] = replace(info, fallback=f"its submodules changed since enable_tiling ({changes}): planned "
                                   "again at its next call")
-    return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model))
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model),
+                       on_cpu)
 
 
 def log_summary(model: nn.Module) -> None:

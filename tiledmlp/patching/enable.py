@@ -5,6 +5,7 @@ and the attention blocks' mode (``tiledmlp.attention``), then log what was tiled
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -20,9 +21,11 @@ from ..offload.checkpointing import checkpointed_layers, install_offload, uninst
 from .describe import log_summary
 from .patch import install, tiled_names, uninstall
 from .planning import plan
-from .state import PlanOptions
+from .state import PlanOptions, TilingState
 
 __all__ = ["enable_tiling", "disable_tiling", "tiled_modules"]
+
+log = logging.getLogger("tiledmlp")
 
 _FORMS = ("auto", "generic")
 _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
@@ -157,6 +160,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         raise ValueError(f"attention=True runs the attention block of each layer of the model's layer stack (the "
                          f"items of its outermost nn.ModuleList) with the attention core's backward in KV-head "
                          f"groups, but {type(model).__name__} has no nn.ModuleList of layers; leave attention=False")
+    _say_what_does_nothing(model, states, projections, accum, loss_options)
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
     install_offload(model, offload_layers)
@@ -168,6 +172,39 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             state.remembers_output = bool(layers)
     log_summary(model)
     return model
+
+
+def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
+                           accum: Optional[torch.dtype], loss_options: Optional[LossOptions]) -> None:
+    """Options that would silently do nothing or lose precision on this model, said once each."""
+    if projections and not any(s.kind == "proj" for s in states.values()):
+        log.warning("projections=True tiles peft LoRA layers outside the MLPs and heads, but %s has none: nothing "
+                    "more is tiled. Add the adapters (get_peft_model) before enable_tiling, or call it again after",
+                    type(model).__name__)
+    for option, dtype, kinds in (("grad_accum_dtype", accum, lambda k: k != "loss"),
+                                 ("loss_grad_accum_dtype", loss_options and loss_options.grad_accum_dtype,
+                                  lambda k: k == "loss")):
+        if dtype is None or dtype.itemsize >= 4:
+            continue
+        wider = sorted({str(p.dtype) for s in states.values() if kinds(s.kind) for p in _trainable(s)
+                        if p.dtype.itemsize > dtype.itemsize})
+        if wider:
+            log.warning("%s=%s sums the shards' gradients of %s parameters in %s: each gradient loses precision "
+                        "(a float32 model: about 1e-3 relative with float16, 7e-3 with bfloat16). Use None (the "
+                        "default: the parameter's own precision or block-scaled float16 for bf16 weights) or "
+                        "torch.float32", option, dtype, " and ".join(wider), dtype)
+
+
+def _trainable(state: TilingState) -> list[torch.Tensor]:
+    params = []
+    for slot in state.spec.slots:
+        try:
+            p = slot.get()
+        except AttributeError:  # an FSDP1 flat-parameter view not in place outside forward
+            continue
+        if isinstance(p, torch.Tensor) and p.requires_grad:
+            params.append(p)
+    return params
 
 
 def _loss_options(options: dict[str, Any]) -> LossOptions:

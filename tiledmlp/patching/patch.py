@@ -108,7 +108,7 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
         state = module.__dict__.get(STATE_ATTR)
         if state is None:
             continue
-        strategy = state.forced if state.forced is not None else state.detected(module_path(model, module))
+        strategy = state.strategy_at(module_path(model, module))
         yield name, module, state, strategy.name + suffix
 
 

@@ -157,9 +157,10 @@ def _input_names(forward) -> list[str]:
 
 
 def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
-                 label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list]:
-    """``(forced strategy or None for run-time detection, weak path from the root)`` of a tiled module
-    (``rec``: how it was recognized, for its tensor-parallel plan; None for an LM head)."""
+                 label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list, bool]:
+    """``(forced strategy or None for run-time detection, weak path from the root, whether a forced strategy is to
+    be checked again at the first call under a wrapper)`` of a tiled module (``rec``: how it was recognized, for its
+    tensor-parallel plan; None for an LM head)."""
     path = module_path(model, module)
     wrapping, tp = parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
     if wrapping is Wrapping.DEEPSPEED:
@@ -170,7 +171,7 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
         forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units, tp)
     else:
         forced = validate_forced(strategy, wrapping, label, units, tp)
-    return forced, [weakref.ref(m) for m in path]
+    return forced, [weakref.ref(m) for m in path], strategy != "auto" and wrapping is Wrapping.NONE
 
 
 def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = None,
@@ -220,7 +221,7 @@ def _module_state(model: nn.Module, module: nn.Module, label: str, rec: Recogniz
             "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
             "above it (e.g. the decoder layer) instead."
         )
-    forced, path = _strategy_of(model, module, rec.slots, options.strategy, label, rec)
+    forced, path, recheck = _strategy_of(model, module, rec.slots, options.strategy, label, rec)
     spec = TiledCallSpec(name=label, slots=rec.slots, policy=options.policy, layout=rec.layout,
                          is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
                          grad_accum_dtype=options.grad_accum_dtype, quantized=rec.quantized)
@@ -229,7 +230,7 @@ def _module_state(model: nn.Module, module: nn.Module, label: str, rec: Recogniz
                        forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
                        token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
                        traced=traced_call_of(module, rec), adapters=rec.adapters, members=tuple(module.named_modules()),
-                       options=options)
+                       options=options, recheck=recheck)
 
 
 def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
@@ -330,10 +331,10 @@ def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: s
     name = _qualified_name(model, head)
     label = name or type(head).__name__
     slots = head_slots(head)
-    forced, path = _strategy_of(model, head, slots, strategy, label)
+    forced, path, recheck = _strategy_of(model, head, slots, strategy, label)
     owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
     spec = HeadSpec(label, slots, options, owner)
-    return name, TilingState(spec, "loss", "input", saved_forward(head), forced, path)
+    return name, TilingState(spec, "loss", "input", saved_forward(head), forced, path, recheck=recheck)
 
 
 def head_slots(head: nn.Module) -> tuple[Slot, ...]:

@@ -33,7 +33,7 @@ from ..core.sharding import ShardPolicy
 from ..core.function import backward_shards, forward_shards
 from ..distributed.deepspeed import is_zero_managed
 from ..distributed.detect import Wrapping, detect_wrapping
-from ..distributed.selection import owning_units, strategy_for
+from ..distributed.selection import owning_units, strategy_for, validate_forced
 from ..distributed.strategies import Strategy
 from ..distributed.tensor_parallel import TPPlan, tp_plan
 from ..forms.base import Slot
@@ -89,6 +89,9 @@ class TilingState:
     members: tuple = ()
     options: Optional[PlanOptions] = None
     untiled: str = ""  # why a module that changed since enable_tiling runs its own forward ("" while it is tiled)
+    # a strategy the user forced while the module was unwrapped: checked against the wrapping at the first call that
+    # finds one (as a strategy forced on a wrapped module is checked when tiling is enabled)
+    recheck: bool = False
     _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
 
     def changes(self, module: nn.Module) -> str:
@@ -112,12 +115,25 @@ class TilingState:
             + [f"new: {', '.join(added)}"] * bool(added) + [f"removed: {', '.join(removed)}"] * bool(removed))
 
     def strategy(self, module: nn.Module) -> Strategy:
-        if self.forced is not None:
-            return self.forced
         path = [m for m in (ref() for ref in self.path) if m is not None]
-        if not path or path[-1] is not module:
-            path = [module]
+        return self.strategy_at(path if path and path[-1] is module else [module])
+
+    def strategy_at(self, path: list[nn.Module]) -> Strategy:
+        """The strategy of the module at the end of ``path`` (root first), as wrapped now."""
+        if self.forced is not None:
+            if self.recheck:
+                self._check_forced(path)
+            return self.forced
         return self.detected(path)
+
+    def _check_forced(self, path: list[nn.Module]) -> None:
+        """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
+        not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
+        wrapping, tp = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
+                                      self.reason, head=self.kind == "loss")
+        if wrapping is not Wrapping.NONE:
+            self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
+            self.recheck = False
 
     def detected(self, path: list[nn.Module]) -> Strategy:
         """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""

@@ -3,7 +3,7 @@ the layouts a module's children allow), ``probe`` (a candidate's own forward com
 decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normalization layers), ``projections``
 (LoRA-adapted projections).
 
-Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters) and ``tiledmlp.forms``.
+Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core.logs``.
 (``tiledmlp.recognize`` was one module before the subpackages; what it exported still is, below.)
 """
 

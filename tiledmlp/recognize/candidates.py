@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import torch.nn.functional as F
 from torch import nn
 
-from ..forms.base import Slot, is_plain_linear
+from ..forms.base import Slot, is_plain_linear, is_quantized
 from ..forms.lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from ..forms.mlp import MLPLayout, Proj
 from ..forms.quant import QuantizedLinear, quantized_linear
@@ -73,7 +73,10 @@ def _is_conv1d(m: nn.Module) -> bool:
 def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
     """``m`` as a :class:`LinearLike`, or None."""
     quant = quantized_linear(m)  # a 4-bit Linear4bit: plain but for its packed weight
-    if is_plain_linear(m) or quant is not None:
+    # A Linear subclass with a forward of its own (Falcon's FalconLinear) is a candidate too: the probe checks that
+    # the module computes what the fast form does with its weights (else: the generic form). Quantized weights
+    # (bitsandbytes' 8-bit Linear) are not: the probe cannot swap them.
+    if is_plain_linear(m) or quant is not None or (isinstance(m, nn.Linear) and not is_quantized(m.weight)):
         bias = Slot(m, "bias") if m.bias is not None else None
         return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant)
     if _is_conv1d(m):

@@ -14,10 +14,12 @@ structure alone, as before the probe existed, and other MLP-named modules the ge
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from ..core.logs import warn_once
 from ..distributed.deepspeed import gathered
 from ..distributed.hooks import hooked_children
 from ..forms.base import Slot, is_plain_linear
@@ -74,6 +76,14 @@ def _dropouts(module: nn.Module) -> list[str]:
             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
+def _not_tiled(module: nn.Module, why: str) -> None:
+    """A module whose Linear-like children chain ``hidden -> inter -> hidden`` like an MLP's but that is not tiled:
+    said once per type and reason, at DEBUG (attention blocks chain their projections too)."""
+    warn_once(("not tiled", type(module).__name__, why), "%s looks like an MLP (Linear-like children chaining hidden "
+              "-> inter -> hidden) but is not tiled: %s", type(module).__name__, why, level=logging.DEBUG)
+    return None
+
+
 def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot],
                   fast: bool = True) -> Optional[Recognized]:
     """Recognize ``module`` as an MLP by computation (see the design note), or None if it does not
@@ -109,8 +119,9 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
     unavailable = probe_unavailable(module, params, linears) if params else "it has no parameters"
     hooked = hooked_children(module)
     if unavailable:
-        if not named:
-            return None  # not provably an MLP (nor per-token) without the probe
+        if not named:  # not provably an MLP (nor per-token) without the probe
+            return _not_tiled(module, f"the probe could not run ({unavailable}) and its children are not named like "
+                                      "a Hugging Face MLP's; enable tiling before sharding the model")
         layout = _structural_glu(module, where)
         if layout is not None and hooked:
             return Recognized("generic", tuple(slots), reason=_hooks_reason(hooked), warn=True)
@@ -133,11 +144,12 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         except Exception as exc:  # the other width, or a forward that needs more than hidden states
             failure = exc
             continue
-        if ref is None:
-            return None  # mixes tokens (or returns something else): never tiled on a guess
+        if ref is None:  # never tiled on a guess
+            return _not_tiled(module, "its forward mixes tokens or does not map hidden states to hidden states")
         break
     else:
-        return None if not named else Recognized(
+        return _not_tiled(module, f"its forward failed on probe tokens ({type(failure).__name__}: {failure})") \
+            if not named else Recognized(
             "generic", tuple(slots), reason=f"its forward failed on probe tokens ({type(failure).__name__}: "
                                             f"{failure})", warn=True)
 

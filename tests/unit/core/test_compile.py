@@ -18,6 +18,7 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.patching.state import STATE_ATTR
+from tiledmlp.loss.heads import COMPILED_HEAD
 from mlp_styles import H, STYLES
 from unit_helpers import batch, build, llama_mlp
 
@@ -124,6 +125,9 @@ def test_whole_model_has_no_more_graph_breaks_than_untiled(loss, caplog):
     assert ("the tiled loss runs untiled" in caplog.text) == loss
     assert {i.form: i.under_compile.split(" ")[0] for i in tiledmlp.describe(tiled).values()} == \
         {"glu": "operator", **({"loss": "untiled"} if loss else {})}
+    if loss:  # what the compiled call did, in the head's row and the summary line
+        assert tiledmlp.describe(tiled)["lm_head"].fallback == COMPILED_HEAD
+        assert f"loss tiled at lm_head (untiled: {COMPILED_HEAD})" in tiledmlp.describe(tiled).summary()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

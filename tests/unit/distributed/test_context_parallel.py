@@ -16,7 +16,8 @@ import tiledmlp
 from unit_helpers import FAMILIES, batch, build
 
 REFUSED = {"phi3": "no k_proj", "olmo2": "normalizes the whole projection"}
-GROUPED = sorted(f for f in FAMILIES if f not in REFUSED)
+UNGROUPED = {"falcon"}  # one fused query_key_value projection, no num_key_value_groups: nothing to repeat
+GROUPED = sorted(f for f in FAMILIES if f not in REFUSED and f not in UNGROUPED)
 NO_SDPA = {"gemma2"}  # its attention softcap: transformers refuses SDPA for it
 FLOAT32 = {"mixtral", "qwen3_moe"}  # torch's grouped GEMM (their experts) has no float64 kernel
 # Per-head q/k norms compute in float32 whatever the model's dtype (transformers' RMSNorm casts), and the copies' norm

@@ -177,7 +177,7 @@ def test_unknown_target_and_reentrant_drop_in_refused():
 
 
 def test_host_memory_too_small_is_refused_before_copying(monkeypatch):
-    monkeypatch.setattr(host, "_available_host_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 1 << 30)
     model = tiledmlp.enable_tiling(llama(), offload="cpu")
     ids = torch.randint(128, (2, TOKENS))
     with pytest.raises(MemoryError, match="more host memory"):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# What needs 2 GPUs for longer than one device call (10 minutes): the whole distributed suite on NCCL, then the
+# ZeRO-3 memory rows of bench_ddp. The first call starts it in a session of its own, which outlives the call;
+# the next call, on the same warm machine, waits for it and collects the logs.
+#
+#   bash launch/gpu_x2_background.sh start [SECONDS]    # start, then follow it for SECONDS (default 560)
+#   bash launch/gpu_x2_background.sh collect [SECONDS]  # wait up to SECONDS for the end; logs into $OUT
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+JOB=/tmp/tiledmlp-job
+OUT=${OUT:-$JOB/out}
+
+follow() {  # wait up to $1 seconds for the job's end, printing its progress
+    local deadline=$(( $(date +%s) + $1 ))
+    while [[ ! -e $JOB/done && $(date +%s) -lt $deadline ]]; do sleep 5; done
+    grep -cE " (PASSED|FAILED|ERROR|SKIPPED)" "$JOB/nccl_suite.txt" 2>/dev/null | sed 's/^/tests reported: /'
+    cat "$JOB/suite_rc" 2>/dev/null
+    [[ -e $JOB/done ]] && echo "job done" || echo "job still running"
+}
+
+case "${1:-}" in
+start)
+    rm -rf "$JOB"; mkdir -p "$JOB"
+    setsid nohup bash "$0" run > "$JOB/job.log" 2>&1 < /dev/null &
+    follow "${2:-560}"
+    ;;
+run)
+    begin=$(date +%s)
+    bash launch/run_distributed_tests.sh 2 > "$JOB/nccl_suite.txt" 2>&1
+    echo "suite exit $? in $(( $(date +%s) - begin )) s" > "$JOB/suite_rc"
+    run2="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+    for options in "" "loss=False"; do
+        $run2 benchmarks/bench_ddp.py --wrap zero3 --seq-len 16384 --layers 4 --grad-ckpt --variants untiled,tiled \
+            --steps 4 --warmup 2 --out "$JOB/results" ${options:+--tiledmlp-options "$options"} 2>&1 \
+            | grep -v -i warn | tail -6
+    done > "$JOB/bench_zero3.txt" 2>&1
+    touch "$JOB/done"
+    ;;
+collect)
+    follow "${2:-560}"
+    mkdir -p "$OUT"
+    cp "$JOB"/nccl_suite.txt "$JOB"/suite_rc "$JOB"/bench_zero3.txt "$JOB"/job.log "$OUT"/ 2>/dev/null
+    cp "$JOB"/results/*.csv "$OUT"/ 2>/dev/null
+    grep -E "passed|failed|FAILED|ERROR" "$JOB/nccl_suite.txt" | tail -30
+    cat "$JOB/bench_zero3.txt" 2>/dev/null
+    ;;
+*)
+    echo "usage: $0 start|collect [SECONDS]" >&2; exit 2 ;;
+esac
