@@ -93,17 +93,18 @@ def followed(module: nn.Module, state: TilingState) -> TilingState:
         return state
     again = replan(module, state, changes)
     module.__dict__[STATE_ATTR] = again
-    name = again.spec.name
+    # said once per change and outcome, naming the first module (a change made to every layer is one line)
+    name = f"{again.spec.name} (and any module with the same change)"
     if again.untiled:
         again.fallback = again.untiled
-        warn_once(("untiled", name, changes), "%s: %s", name, again.untiled)
+        warn_once(("untiled", changes), "%s: %s", name, again.untiled)
     elif again.warn:
-        warn_once(("planned again", name, changes), "%s: its submodules changed since enable_tiling (%s); planned "
-                  "again, it takes the generic form: %s", name, changes, again.reason)
+        warn_once(("planned again", changes, again.reason), "%s: its submodules changed since enable_tiling (%s); "
+                  "planned again, it takes the generic form: %s", name, changes, again.reason)
     else:
-        warn_once(("planned again", changes, again.kind), "%s (and any module with the same change): its submodules "
-                  "changed since enable_tiling (%s); planned again: the %s form, %s", name, changes, again.kind,
-                  again.computes or again.reason, level=logging.INFO)
+        warn_once(("planned again", changes, again.kind), "%s: its submodules changed since enable_tiling (%s); "
+                  "planned again: the %s form, %s", name, changes, again.kind, again.computes or again.reason,
+                  level=logging.INFO)
     return again
 
 

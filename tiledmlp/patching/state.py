@@ -29,8 +29,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..core.compiled import STATE_ATTR
-from ..core.sharding import ShardPolicy
 from ..core.function import backward_shards, forward_shards
+from ..core.sharding import ShardPolicy
 from ..distributed.deepspeed import is_zero_managed
 from ..distributed.detect import Wrapping, detect_wrapping
 from ..distributed.selection import owning_units, strategy_for, validate_forced
