@@ -1,6 +1,7 @@
 """What :func:`enable_tiling` does to a model, in order: check the options, plan a tiling state per module
-(``planning``), install the patched forwards (``patch``), host offload of checkpointed layers (``tiledmlp.offload``)
-and the attention blocks' mode (``tiledmlp.attention``), then log what was tiled (``describe``); and its undo.
+(``planning``), install the patched forwards (``patch``) and the follower of modules added later (``follow``), host
+offload of checkpointed layers (``tiledmlp.offload``) and the attention blocks' mode (``tiledmlp.attention``), then
+log what was tiled (``describe``); and its undo.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..distributed.selection import STRATEGY_NAMES
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
 from .describe import log_summary
+from .follow import install_follower, uninstall_follower
 from .patch import install, tiled_names, uninstall
 from .planning import plan
 from .state import PlanOptions, TilingState
@@ -163,6 +165,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     _say_what_does_nothing(model, states, projections, accum, loss_options)
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
+    install_follower(model, plan_options)
     install_offload(model, offload_layers)
     install_attention(model, layers, policy.scratch_mib)
     # A tiled norm remembers which output it returned from which input only where q/k/v may take it
@@ -178,9 +181,9 @@ def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], pro
                            accum: Optional[torch.dtype], loss_options: Optional[LossOptions]) -> None:
     """Options that would silently do nothing or lose precision on this model, said once each."""
     if projections and not any(s.kind == "proj" for s in states.values()):
-        log.warning("projections=True tiles peft LoRA layers outside the MLPs and heads, but %s has none: nothing "
-                    "more is tiled. Add the adapters (get_peft_model) before enable_tiling, or call it again after",
-                    type(model).__name__)
+        log.warning("projections=True tiles peft LoRA layers outside the MLPs and heads, but %s has none yet: "
+                    "nothing more is tiled now (LoRA layers added later, by get_peft_model or a trainer's "
+                    "peft_config, are tiled at the model's next training call)", type(model).__name__)
     for option, dtype, kinds in (("grad_accum_dtype", accum, lambda k: k != "loss"),
                                  ("loss_grad_accum_dtype", loss_options and loss_options.grad_accum_dtype,
                                   lambda k: k == "loss")):
@@ -222,6 +225,7 @@ def disable_tiling(model: nn.Module) -> nn.Module:
     tiled causal LMs); returns ``model``."""
     uninstall_attention(model)
     uninstall(model)
+    uninstall_follower(model)
     uninstall_offload(model)
     return model
 

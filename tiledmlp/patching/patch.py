@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import replace
-from typing import Iterator
+from typing import Iterator, Optional
 
 from torch import nn
 
@@ -25,7 +25,7 @@ from .state import STATE_ATTR, TilingState, original_forward
 
 log = logging.getLogger("tiledmlp")
 
-__all__ = ["install", "uninstall", "tiled_names", "tiled_states"]
+__all__ = ["install", "add", "uninstall", "tiled_names", "tiled_states"]
 
 
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:
@@ -39,6 +39,12 @@ def install(model: nn.Module, states: dict[str, TilingState]) -> None:
         if owner is not None and not any(s.kind == "loss" and s.spec.owner.module_name == name
                                          for s in states.values()):
             unpatch_owner(module)
+    add(model, states, modules)
+
+
+def add(model: nn.Module, states: dict[str, TilingState], modules: Optional[dict[str, nn.Module]] = None) -> None:
+    """Patch the planned modules, leaving every other one as it is."""
+    modules = dict(model.named_modules()) if modules is None else modules
     for name, state in states.items():
         module = modules[name]
         module.__dict__[STATE_ATTR] = state

@@ -47,9 +47,9 @@ from ..recognize.moe import experts_interface, recognize_experts
 from ..recognize.norms import recognize_norm
 from ..recognize.projections import recognize_projection
 from .call_spec import TiledCallSpec
-from .state import PlanOptions, TilingState, TracedCall, original_forward, parallelism_of, saved_forward
+from .state import STATE_ATTR, PlanOptions, TilingState, TracedCall, original_forward, parallelism_of, saved_forward
 
-__all__ = ["register_mlp", "recognize", "param_slots", "plan", "replan"]
+__all__ = ["register_mlp", "recognize", "param_slots", "plan", "plan_added", "replan"]
 
 _REGISTERED: list[type] = []
 
@@ -207,6 +207,23 @@ def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = N
         states.update(_plan_heads(model, options.strategy, loss, loss_required))
     if not states:
         raise ValueError(_nothing_recognized(model, excluded, loss is not None))
+    return states
+
+
+def plan_added(model: nn.Module, options: PlanOptions) -> dict[str, TilingState]:
+    """The states of modules of ``model`` that are new since ``enable_tiling`` and would have been tiled had they been
+    there (``plan``'s recognition, outermost first): what is inside a tiled module is left to that module, which
+    plans itself again (``replan``), and the causal LMs' output layers to their tiled loss."""
+    heads = {id(lm.get_output_embeddings()) for _, lm in find_causal_lms(model)}
+    tiled = [name for name, m in model.named_modules() if STATE_ATTR in m.__dict__]
+    states: dict[str, TilingState] = {}
+    for name, module in model.named_modules():
+        if id(module) in heads or any(c == "" or name == c or name.startswith(c + ".") for c in [*tiled, *states]):
+            continue
+        rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+                        norms=options.norms, projections=options.projections)
+        if rec is not None and rec.kind != "excluded":
+            states[name] = _module_state(model, module, name or type(module).__name__, rec, options)
     return states
 
 

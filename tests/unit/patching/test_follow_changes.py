@@ -204,3 +204,48 @@ def test_unchanged_module_is_not_planned_again(monkeypatch):
     monkeypatch.setattr(forwards, "replan", lambda *a: pytest.fail("planned again without a change"))
     ids = batch()
     model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_lora_projections_added_after_tiling_are_tiled(caplog):
+    """``projections=True``, then peft on q/v as well: the new LoRA projections have no tiled module above them; the
+    model's next training call finds them (the model's forward pre-hook) and tiles them in the fast proj form."""
+    ref = build("llama")
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, projections=True)
+    tiled, ref = _lora(tiled, ALL_TARGETS), _lora(ref, ALL_TARGETS)
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        train_side_by_side(tiled, ref)
+    assert "4 module(s) added since enable_tiling are tiled now (proj:" in caplog.text, caplog.text
+    forms = {name.rsplit(".", 1)[-1]: i.form for name, i in tiledmlp.describe(tiled).items()}
+    assert forms["q_proj"] == forms["v_proj"] == "proj" and forms["mlp"] == "glu", forms
+
+
+def test_replaced_mlp_and_norm_are_tiled():
+    """A whole MLP and a normalization layer (norms=True) replaced by new modules: tiled at the next training call,
+    trained as untiled; inference calls do not look."""
+    ref = build("llama")
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3, norms=True)
+    torch.manual_seed(5)
+    mlp = copy.deepcopy(ref.model.layers[0].mlp)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    norm = copy.deepcopy(ref.model.layers[1].input_layernorm)
+    torch.nn.init.normal_(norm.weight)
+    for model in (tiled, ref):
+        model.model.layers[0].mlp = copy.deepcopy(mlp)
+        model.model.layers[1].input_layernorm = copy.deepcopy(norm)
+    with torch.no_grad():
+        tiled(input_ids=batch())
+    assert "model.layers.0.mlp" not in tiledmlp.tiled_modules(tiled)
+    train_side_by_side(tiled, ref)
+    names = tiledmlp.tiled_modules(tiled)
+    assert "model.layers.0.mlp" in names and "model.layers.1.input_layernorm" in names, names
+
+
+def test_disable_tiling_removes_the_follower():
+    model = tiledmlp.enable_tiling(build("llama"))
+    tiledmlp.disable_tiling(model)
+    assert not model._forward_pre_hooks
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[1].mlp)
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert tiledmlp.tiled_modules(model) == {}
