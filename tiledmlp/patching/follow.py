@@ -41,8 +41,9 @@ class FollowAdded:
         now = model.modules()
         if all(next(now, None) is m for m in self.members) and next(now, None) is None:
             return
+        known = {id(m) for m in self.members}
         self.members = tuple(model.modules())
-        states = plan_added(model, self.options)
+        states = plan_added(model, self.options, known)
         if not states:
             return
         remembers = bool(attention_layers(model))  # a new norm's output is remembered where attention=True reads it

@@ -210,15 +210,17 @@ def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = N
     return states
 
 
-def plan_added(model: nn.Module, options: PlanOptions) -> dict[str, TilingState]:
-    """The states of modules of ``model`` that are new since ``enable_tiling`` and would have been tiled had they been
-    there (``plan``'s recognition, outermost first): what is inside a tiled module is left to that module, which
-    plans itself again (``replan``), and the causal LMs' output layers to their tiled loss."""
+def plan_added(model: nn.Module, options: PlanOptions, known: set[int]) -> dict[str, TilingState]:
+    """The states of modules of ``model`` that are new (their ``id`` not in ``known``) and would have been tiled had
+    they been there at ``enable_tiling`` (``plan``'s recognition, outermost first): what is inside a tiled module is
+    left to that module, which plans itself again (``replan``), and the causal LMs' output layers to their tiled
+    loss. Only new modules are probed (the probe of a module with ZeRO-3 parameters is a collective)."""
     heads = {id(lm.get_output_embeddings()) for _, lm in find_causal_lms(model)}
     tiled = [name for name, m in model.named_modules() if STATE_ATTR in m.__dict__]
     states: dict[str, TilingState] = {}
     for name, module in model.named_modules():
-        if id(module) in heads or any(c == "" or name == c or name.startswith(c + ".") for c in [*tiled, *states]):
+        if (id(module) in known or id(module) in heads
+                or any(c == "" or name == c or name.startswith(c + ".") for c in [*tiled, *states])):
             continue
         rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
                         norms=options.norms, projections=options.projections)
