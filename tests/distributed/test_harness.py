@@ -43,7 +43,10 @@ def _wait(condition, seconds: float) -> bool:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_ends_the_running_launch(signum):
-    code = f"from tests.distributed.harness import launch; launch({MARKER!r}, nproc=2, device='cpu')"
+    # Python's own SIGINT handler, as in a terminal: a shell that starts a job in the background (CI) leaves SIGINT
+    # ignored, which the harness respects
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"from tests.distributed.harness import launch; launch({MARKER!r}, nproc=2, device='cpu')")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         assert _wait(lambda: len(_ranks()) >= 3, 120), "torchrun and its 2 ranks did not start"
