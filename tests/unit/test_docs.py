@@ -64,3 +64,14 @@ def test_the_version_is_the_changelogs():
     newest = re.search(r"^## (\d+\.\d+\.\d+)", (ROOT / "CHANGELOG.md").read_text(), re.M).group(1)
     declared = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert tiledmlp.__version__ == declared == newest, (tiledmlp.__version__, declared, newest)
+
+
+def test_the_test_command_runs_the_paths_it_is_given():
+    """``bash tests/run.sh PATH`` collects PATH only (before: PATH was added to the whole suite)."""
+    import subprocess
+
+    proc = subprocess.run(["bash", "tests/run.sh", "tests/unit/test_layout.py", "--collect-only", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = re.findall(r"^(tests/\S+\.py): \d+$", proc.stdout, re.M)  # -q twice: a line per file
+    assert collected == ["tests/unit/test_layout.py"], proc.stdout[-2000:]
