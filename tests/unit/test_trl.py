@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import copy
 
-import pytest
+import datasets  # trl's dependency
 import torch
+import trl  # the test extra: missing it fails, never skips
 
 import tiledmlp
 from unit_helpers import build, rel_err
 
-import trl  # noqa: E402  (the test extra)
-import datasets  # noqa: E402  (trl's dependency)
 VOCAB = 96
 TARGETS = ["gate_proj", "up_proj", "down_proj", "q_proj", "v_proj"]
 

@@ -222,7 +222,8 @@ def test_disable_restores_the_model_bit_for_bit():
     pristine = copy.deepcopy(model)
     tiledmlp.enable_tiling(model, loss=True, loss_scratch_mib=SCRATCH)
     tiledmlp.enable_tiling(model, loss=True, num_shards=2)  # re-configured, not stacked
-    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    # the loss owner's hooks and enable_tiling's follower of added modules (patching/follow.py), one each
+    assert len(model._forward_pre_hooks) == 2 and len(model._forward_hooks) == 1
     tiledmlp.disable_tiling(model)
     assert tiledmlp.tiled_modules(model) == {}
     assert "_loss_function" not in model.__dict__ and OWNER_ATTR not in model.__dict__
@@ -240,7 +241,8 @@ def test_enabling_again_without_loss_untiles_the_head_only():
     tiledmlp.enable_tiling(model, loss=True)
     tiledmlp.enable_tiling(model, loss=False)
     assert set(tiledmlp.tiled_modules(model)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
-    assert model.__dict__["_loss_function"] is own and not model._forward_pre_hooks
+    assert model.__dict__["_loss_function"] is own
+    assert [type(h).__name__ for h in model._forward_pre_hooks.values()] == ["FollowAdded"]  # no loss owner's hook
 
 
 def test_copies_keep_the_tiled_loss():

@@ -117,14 +117,21 @@ class _Mixing(_Scaled):
         return self.inner(x).cumsum(dim=-2) * 0.1
 
 
-def test_projection_replaced_by_another_module_takes_the_generic_form(caplog):
+def _up_proj_replaced(kind: type, caplog) -> nn.Module:
+    """A tiled Llama and its untiled twin, the first layer's ``up_proj`` replaced by ``kind`` in both, trained side by
+    side (warnings captured); the tiled one."""
     ref = build("llama")
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
     for model in (tiled, ref):
         torch.manual_seed(5)
-        model.model.layers[0].mlp.up_proj = _Scaled(nn.Linear(32, 72, bias=False))
+        model.model.layers[0].mlp.up_proj = kind(nn.Linear(32, 72, bias=False))
     with caplog.at_level(logging.WARNING, logger="tiledmlp"):
         train_side_by_side(tiled, ref)
+    return tiled
+
+
+def test_projection_replaced_by_another_module_takes_the_generic_form(caplog):
+    tiled = _up_proj_replaced(_Scaled, caplog)
     assert "model.layers.0.mlp (and any module with the same change): its submodules changed since enable_tiling " \
         "(up_proj (_Scaled) replaced); planned again, it takes the generic form: it has parameters or buffers " \
         "outside its projections" in caplog.text, caplog.text
@@ -132,13 +139,7 @@ def test_projection_replaced_by_another_module_takes_the_generic_form(caplog):
 
 
 def test_module_no_longer_recognized_runs_untiled_and_says_so(caplog):
-    ref = build("llama")
-    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
-    for model in (tiled, ref):
-        torch.manual_seed(5)
-        model.model.layers[0].mlp.up_proj = _Mixing(nn.Linear(32, 72, bias=False))
-    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
-        train_side_by_side(tiled, ref)
+    tiled = _up_proj_replaced(_Mixing, caplog)
     assert "model.layers.0.mlp (and any module with the same change): its submodules changed since enable_tiling " \
         "(up_proj (_Mixing) replaced) and it is no longer recognized" in caplog.text, caplog.text
     assert caplog.text.count("no longer recognized") == 1, caplog.text
