@@ -66,12 +66,23 @@ def test_the_version_is_the_changelogs():
     assert tiledmlp.__version__ == declared == newest, (tiledmlp.__version__, declared, newest)
 
 
-def test_the_test_command_runs_the_paths_it_is_given():
-    """``bash tests/run.sh PATH`` collects PATH only (before: PATH was added to the whole suite)."""
+def test_the_test_command_runs_the_paths_it_is_given(tmp_path):
+    """``bash tests/run.sh PATH`` runs pytest on PATH only (before: PATH was added to the whole suite); options alone
+    keep the default path. Run with a stand-in interpreter that prints what pytest would be given."""
+    import os
+    import stat
     import subprocess
 
-    proc = subprocess.run(["bash", "tests/run.sh", "tests/unit/test_layout.py", "--collect-only", "-q"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    collected = re.findall(r"^(tests/\S+\.py): \d+$", proc.stdout, re.M)  # -q twice: a line per file
-    assert collected == ["tests/unit/test_layout.py"], proc.stdout[-2000:]
+    python = tmp_path / "python"
+    python.write_text('#!/usr/bin/env bash\n[[ "$1" == "-m" ]] && echo "ARGS $*"\nexit 0\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+
+    def pytest_args(*args: str) -> list[str]:
+        proc = subprocess.run(["bash", "tests/run.sh", *args], cwd=ROOT, env=dict(os.environ, PYTHON=str(python)),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return next(line for line in proc.stdout.splitlines() if line.startswith("ARGS ")).split()[1:]
+
+    assert pytest_args("tests/unit/test_layout.py", "-x") == ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                              "tests/unit/test_layout.py", "-x"]
+    assert pytest_args("-k", "lora") == ["-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-k", "lora"]
