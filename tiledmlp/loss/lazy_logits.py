@@ -68,8 +68,7 @@ class LogitsRecipe:
         """A ZeRO-3 parameter's values live in this rank's partition, which its optimizer step overwrites through
         ``.data`` (no version bump): the partition's sum stands for them (one reduction over the partition per head
         call, no synchronization; compared only when the logits are computed)."""
-        return [t.ds_tensor.detach().sum(dtype=torch.float64) for t in (self.weight, self.bias)
-                if t is not None and is_zero3_param(t)]
+        return [t.ds_tensor.detach().sum(dtype=torch.float64) for t in self.head_params() if is_zero3_param(t)]
 
     def compute(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         with self._autocast():

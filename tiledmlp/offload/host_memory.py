@@ -28,8 +28,8 @@ def available_host_bytes() -> Optional[int]:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             pass
-    capped = cgroup_free_bytes()
-    return capped if available is None else available if capped is None else min(available, capped)
+    known = [b for b in (available, cgroup_free_bytes()) if b is not None]
+    return min(known) if known else None
 
 
 #: cgroup v1 writes "no limit" as this page-rounded maximum

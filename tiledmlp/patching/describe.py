@@ -154,15 +154,6 @@ def _policy_words(policy: ShardPolicy) -> str:
     return f"auto ({policy.scratch_mib or 'default'} MiB budget)" if policy.scratch_mib else "auto"
 
 
-def _params(state: TilingState) -> Optional[list[torch.Tensor]]:
-    """The module's parameter tensors as its slots hold them now (None where a wrapper keeps them
-    elsewhere outside forward, e.g. FSDP1 flat parameters)."""
-    try:
-        return [slot.get() for slot in state.spec.slots]
-    except AttributeError:
-        return None
-
-
 def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -> TileInfo:
     spec = state.spec
     if state.kind == "loss":
@@ -172,7 +163,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
                 policy=_policy_words(policy), tokens=tokens, fallback=state.fallback,
                 under_compile="operator" if state.traced is not None and not spec.quantized
                 else "eager call, one graph break")
-    params = _params(state)
+    params = state.params()
     if tokens is None or params is None:
         return TileInfo(**base)
     layout = spec.layout
@@ -242,7 +233,7 @@ def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[in
     base = dict(name=name, form="loss", strategy=strategy, reason="", policy=words, tokens=tokens,
                 computes=f"LM head + cross-entropy of {spec.owner.name}", fallback=state.fallback,
                 under_compile="untiled loss (real logits); tiled when the head runs outside compiled code")
-    params = _params(state)
+    params = state.params()
     if tokens is None or params is None:
         return TileInfo(**base)
     head = spec.slots[0].owner  # sizes from the module: a wrapper may hold a shard of the weight

@@ -189,25 +189,13 @@ def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], pro
                                   lambda k: k == "loss")):
         if dtype is None or dtype.itemsize >= 4:
             continue
-        wider = sorted({str(p.dtype) for s in states.values() if kinds(s.kind) for p in _trainable(s)
-                        if p.dtype.itemsize > dtype.itemsize})
+        wider = sorted({str(p.dtype) for s in states.values() if kinds(s.kind) for p in s.params() or ()
+                        if p.requires_grad and p.dtype.itemsize > dtype.itemsize})
         if wider:
             log.warning("%s=%s sums the shards' gradients of %s parameters in %s: each gradient loses precision "
                         "(a float32 model: about 1e-3 relative with float16, 7e-3 with bfloat16). Use None (the "
                         "default: the parameter's own precision or block-scaled float16 for bf16 weights) or "
                         "torch.float32", option, dtype, " and ".join(wider), dtype)
-
-
-def _trainable(state: TilingState) -> list[torch.Tensor]:
-    params = []
-    for slot in state.spec.slots:
-        try:
-            p = slot.get()
-        except AttributeError:  # an FSDP1 flat-parameter view not in place outside forward
-            continue
-        if isinstance(p, torch.Tensor) and p.requires_grad:
-            params.append(p)
-    return params
 
 
 def _loss_options(options: dict[str, Any]) -> LossOptions:

@@ -114,6 +114,14 @@ class TilingState:
             [f"{', '.join(f'{n} ({type(now[n]).__name__})' for n in replaced)} replaced"] * bool(replaced)
             + [f"new: {', '.join(added)}"] * bool(added) + [f"removed: {', '.join(removed)}"] * bool(removed))
 
+    def params(self) -> Optional[list[torch.Tensor]]:
+        """The module's parameter tensors as its slots hold them now (None where a wrapper keeps them
+        elsewhere outside forward, e.g. FSDP1 flat parameters)."""
+        try:
+            return [slot.get() for slot in self.spec.slots]
+        except AttributeError:
+            return None
+
     def strategy(self, module: nn.Module) -> Strategy:
         path = [m for m in (ref() for ref in self.path) if m is not None]
         return self.strategy_at(path if path and path[-1] is module else [module])

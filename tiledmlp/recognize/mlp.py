@@ -148,10 +148,8 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
             return _not_tiled(module, "its forward mixes tokens or does not map hidden states to hidden states")
         break
     else:
-        return _not_tiled(module, f"its forward failed on probe tokens ({type(failure).__name__}: {failure})") \
-            if not named else Recognized(
-            "generic", tuple(slots), reason=f"its forward failed on probe tokens ({type(failure).__name__}: "
-                                            f"{failure})", warn=True)
+        why = f"its forward failed on probe tokens ({type(failure).__name__}: {failure})"
+        return Recognized("generic", tuple(slots), reason=why, warn=True) if named else _not_tiled(module, why)
 
     def generic(reason: str, warn: bool = True) -> Recognized:
         return Recognized("generic", tuple(slots), reason=reason, warn=warn)
