@@ -6,7 +6,9 @@ Launch with torchrun, one process per GPU::
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap ddp --seq-len 32768
     torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap tp --seq-len 32768
     torchrun --nproc-per-node 4 benchmarks/bench_ddp.py --wrap fsdp2_tp --tp 2 --seq-len 32768
-    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap zero3 --variants untiled,deepspeed_tiled,tiled
+    for v in untiled deepspeed_tiled tiled; do
+        torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --wrap zero3 --variants $v
+    done
 
 Each variant (``untiled``, then ``tiled`` = ``tiledmlp.enable_tiling(model)`` before wrapping: the MLPs and, by
 default, the loss; ``--tiledmlp-options "loss=False"`` for the MLPs only) builds the model
@@ -14,7 +16,8 @@ from the same seed and trains on the same random tokens per data-parallel rank (
 gets the same sequence; AdamW, bf16 parameters). TP is Megatron's plan on every decoder layer
 (``ColwiseParallel`` q/k/v and gate/up, ``RowwiseParallel`` o and down; embeddings, norms and head
 replicated); ``fsdp2_tp`` adds ``fully_shard`` per layer and root over the data-parallel mesh. ``zero3`` is
-``deepspeed.initialize`` with ZeRO stage 3 (bf16, the same AdamW as a torch optimizer), and its extra variant
+``deepspeed.initialize`` with ZeRO stage 3 (bf16, the same AdamW as a torch optimizer; one variant per process on
+GPUs, since an engine's memory outlives its ``destroy()``), and its extra variant
 ``deepspeed_tiled`` runs every MLP through DeepSpeed's own ``TiledMLP`` (the Arctic Long Sequence Training
 call: ``ceil(seq_len / hidden)`` shards, ``compute_params`` the MLP's weights). Reported per
 rank: median step time after warm-up, peak memory over the timed steps, the first step's loss and gradient
@@ -52,8 +55,9 @@ from reporting import gpu_name, gpu_slug, package_versions  # noqa: E402
 
 COLUMNS = (
     "wrap", "variant", "rank", "world_size", "tp", "seq_len", "layers", "hidden", "intermediate", "vocab", "grad_ckpt",
-    "dtype", "status", "step_ms", "tokens_per_s", "peak_alloc_mib", "peak_reserved_mib", "loss0", "grad_norm0",
-    "tiled_mlps", "collectives_per_step", "gpu_name", "torch", "triton", "transformers", "tiledmlp", "date",
+    "dtype", "status", "step_ms", "tokens_per_s", "start_alloc_mib", "peak_alloc_mib", "peak_reserved_mib", "loss0",
+    "grad_norm0", "tiled_mlps", "tiledmlp_options", "collectives_per_step", "gpu_name", "torch", "triton",
+    "transformers", "tiledmlp", "date",
 )
 VERSION_COLUMNS = ("torch", "triton", "transformers", "tiledmlp")
 
@@ -281,7 +285,10 @@ def counted_process_group_calls(step: Any) -> list[tuple[str, int]]:
 
 
 def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, variant: str) -> dict[str, Any]:
-    """Build, warm up and time one variant on this rank."""
+    """Build, warm up and time one variant on this rank. ``start_alloc_mib`` is what was still allocated when it
+    began (an earlier variant's leftovers, counted in this one's peak: run variants one per process to compare
+    peaks when it is not near zero)."""
+    start_alloc_mib = torch.cuda.memory_allocated(where.device) / 2**20 if where.device.type == "cuda" else 0.0
     model, tiled_count = build_model(args, where, dtype, variant)
     optimizer: Optional[torch.optim.Optimizer] = None
     if args.wrap == "zero3":
@@ -299,7 +306,7 @@ def measure_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, v
         model.destroy()  # a DeepSpeedEngine holds its optimizer state until destroyed (and in cycles beyond)
     result = {"status": "ok", "step_ms": step_ms, "tokens_per_s": where.dp_size * args.seq_len / step_ms * 1e3,
               "loss0": loss0, "grad_norm0": grad_norm0, "tiled_mlps": tiled_count,
-              "collectives_per_step": collectives}
+              "collectives_per_step": collectives, "start_alloc_mib": start_alloc_mib}
     if where.device.type == "cuda":
         result["peak_alloc_mib"] = torch.cuda.max_memory_allocated(where.device) / 2**20
         result["peak_reserved_mib"] = torch.cuda.max_memory_reserved(where.device) / 2**20
@@ -314,6 +321,18 @@ def run_variant(args: argparse.Namespace, where: Dist, dtype: torch.dtype, varia
         return {"status": "oom"}
     finally:
         release_memory()
+
+
+def check_one_variant_per_engine(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse several ZeRO-3 variants in one process on GPUs: a DeepSpeed engine leaves its partitions and
+    optimizer state allocated after ``destroy()`` (8.5 GiB per rank for 4 layers of the 8B shape on 2 GPUs), which
+    the next variant's peak would count (the rows of 2026-11-26 did: tiled's 31,315 MiB peak, measured third, was its
+    own 14,002 plus the two earlier engines' 8,720 each)."""
+    if args.wrap == "zero3" and device.type == "cuda" and len(args.variants) > 1:
+        raise SystemExit(
+            "--wrap zero3 on GPUs measures one variant per process: a DeepSpeed engine's memory outlives its "
+            "destroy(), and the next variant's peak would count it. Launch once per --variants entry with the same "
+            "--out (the rows append to one CSV).")
 
 
 def fmt(value: Any) -> Any:
@@ -343,6 +362,10 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         print(f"{variant:>8}: step {step:.1f} ms (slowest rank), peak {peak:.0f} MiB (largest rank), "
               f"loss0 {ranks[0]['loss0']:.6f}, grad_norm0 {ranks[0]['grad_norm0']:.6f}, "
               f"tiled MLPs {ranks[0]['tiled_mlps']}, collectives {ranks[0]['collectives_per_step']}")
+        leftover = max(row.get("start_alloc_mib", 0.0) for row in ranks)
+        if leftover > 64:
+            print(f"{'':>8}  {leftover:.0f} MiB were still allocated when it began (left by an earlier variant, and "
+                  "counted in its peak): run one variant per process to compare peaks")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -394,7 +417,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             "grad_ckpt": args.grad_ckpt, "dtype": str(dtype).removeprefix("torch."),
             "gpu_name": gpu_name(where.device), **{key: versions[key] for key in VERSION_COLUMNS},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    local_rows = [{**meta, "variant": variant, **run_variant(args, where, dtype, variant)}
+    check_one_variant_per_engine(args, where.device)
+    options = ",".join(f"{key}={value}" for key, value in args.tiledmlp_options.items()) or "default"
+    local_rows = [{**meta, "variant": variant, "tiledmlp_options": options if variant == "tiled" else "",
+                   **run_variant(args, where, dtype, variant)}
                   for variant in args.variants]
     gathered: list[Optional[list[dict[str, Any]]]] = [None] * where.world
     dist.all_gather_object(gathered, local_rows)

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_compile  # noqa: E402
+import bench_ddp  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_first_step  # noqa: E402
 import bench_loss  # noqa: E402
@@ -204,3 +206,15 @@ def test_bench_sp_alst_is_not_run_under_fsdp2(capsys):
         bench_sp.parse_args(["--smoke", "--shard", "fsdp2", "--variants", "untiled,alst"])
     assert "alst: its loss calls the model's parts directly" in capsys.readouterr().err
     assert bench_sp.parse_args(["--smoke", "--shard", "fsdp2", "--variants", "untiled,tiled"]).shard == "fsdp2"
+
+
+def test_bench_ddp_measures_one_zero3_engine_per_process_on_gpus():
+    """A DeepSpeed engine's memory outlives destroy(): a second ZeRO-3 variant in the process would count it."""
+    several = bench_ddp.parse_args(["--wrap", "zero3", "--variants", "untiled,tiled"])
+    with pytest.raises(SystemExit, match="one variant per process"):
+        bench_ddp.check_one_variant_per_engine(several, torch.device("cuda", 0))
+    bench_ddp.check_one_variant_per_engine(several, torch.device("cpu"))  # no peaks measured on a CPU
+    one = bench_ddp.parse_args(["--wrap", "zero3", "--variants", "tiled"])
+    bench_ddp.check_one_variant_per_engine(one, torch.device("cuda", 0))
+    ddp = bench_ddp.parse_args(["--wrap", "ddp", "--variants", "untiled,tiled"])
+    bench_ddp.check_one_variant_per_engine(ddp, torch.device("cuda", 0))
