@@ -23,7 +23,9 @@ Variants (the same model object, re-configured between them):
                   hidden states and labels), MLPs untiled.
 * ``mlp+liger``   tiled MLPs and Liger's fused linear cross-entropy.
 
-Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included. Up to
+Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included; ``predicted_gib`` is
+``tiledmlp.plan_memory``'s device peak for the variant (tiled variants), ``host_gib`` the layer inputs one step
+offloaded to host memory, ``predicted_host_gib`` the plan's host peak. Up to
 ``--multi-step-max`` tokens a variant takes ``--steps`` steps after one untimed step (median time); beyond,
 one step, timed (a 512K-token step takes minutes).
 
@@ -54,6 +56,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
+from tiledmlp.offload import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)
@@ -61,8 +64,8 @@ from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_vers
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
             "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
-COLUMNS = ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "steps", "loss", "gpu_name", "torch", "triton",
-           "transformers", "liger", "tiledmlp", "date")
+COLUMNS = ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s", "tokens_per_s",
+           "steps", "loss", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -127,6 +130,7 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, loss = [], math.nan
+    offloaded_before = offloader_for(device).stats["offloaded_bytes"]
     for i in range(steps + (1 if steps > 1 else 0)):  # an untimed first step when several are timed
         model.zero_grad(set_to_none=True)
         sync(device)
@@ -140,12 +144,24 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
         del value
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     step_s = statistics.median(times)
-    return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss}
+    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (steps + (steps > 1))
+    return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
+            "host_gib": offloaded / 2**30, **predicted(model, variant, tokens)}
+
+
+def predicted(model: nn.Module, variant: str, tokens: int) -> dict[str, float]:
+    """The memory plan's device and host peaks (GiB) for a tiled variant, as configured (NaN for the others: the plan
+    models tiled MLPs)."""
+    if variant in LIGER or not set(variant.split("+")) & {"mlp", "loss"}:
+        return {"predicted_gib": math.nan, "predicted_host_gib": math.nan}
+    plan = tiledmlp.plan_memory(model, tokens, gpu_mib=1 << 30, host_mib=1 << 30)
+    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "predicted_host_gib": plan.host_peak_bytes / 2**30}
 
 
 def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
     row = run_or_status(lambda: run_variant(model, variant, tokens, args, device), lambda: free(model, device),
-                        ("peak_gib", "step_s", "tokens_per_s", "steps", "loss"))
+                        ("peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s", "tokens_per_s",
+                         "steps", "loss"))
     return {**row, "steps": 0} if isinstance(row["step_s"], str) else row
 
 
@@ -199,7 +215,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         for variant in variants:
             row = {"variant": variant, "T": tokens, **run_or_record(model, variant, tokens, args, device)}
             rows.append(row)
-            print(f"  T={tokens:>7} {variant:<12} peak_gib={fmt(row['peak_gib'])} step_s={fmt(row['step_s'])} "
+            print(f"  T={tokens:>7} {variant:<12} peak_gib={fmt(row['peak_gib'])} (plan {fmt(row['predicted_gib'])}) "
+                  f"host_gib={fmt(row['host_gib'])} (plan {fmt(row['predicted_host_gib'])}) "
+                  f"step_s={fmt(row['step_s'])} "
                   f"tokens_per_s={fmt(row['tokens_per_s'])} loss={fmt(row['loss'])}", flush=True)
     meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
             **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
@@ -212,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
-    print_rows(rows, ("variant", "T", "peak_gib", "step_s", "tokens_per_s", "loss"))
+    print_rows(rows, ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s",
+                      "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows
 

@@ -17,6 +17,9 @@ Public API:
   without a mask, as the ring needs.
 * :func:`checkpoint` — non-reentrant activation checkpointing whose layer inputs wait in host memory
   (``enable_tiling(model, offload="cpu")`` does it for Hugging Face models).
+* :func:`plan_memory` — one training step's device and host memory for a length, term by term, the placement of
+  each checkpointed layer's input (``enable_tiling(model, offload="auto")`` follows it) and the longest length that
+  fits.
 * :func:`register_mlp` — make a custom per-token module type recognizable.
 * :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
 
@@ -35,6 +38,7 @@ map and follows one call through it):
 ``attention``   attention blocks with less memory per token (``attention=True``).
 ``offload``     checkpointed layer inputs in host memory (``offload="cpu"``).
 ``recognize``   what is tiled: MLPs by computation, MoE experts, norms, LoRA projections.
+``plan``        a step's memory per rank on the device and the host, and where each layer input waits.
 ``patching``    what ``enable_tiling`` does to a model: the call spec, per-module state, the plan, the installed
                 forwards, install and undo, the functional call, the report.
 ==============  =================================================================================================
@@ -55,6 +59,7 @@ from .patching.describe import Description, TileInfo, describe
 from .patching.enable import disable_tiling, enable_tiling, tiled_modules
 from .patching.functional import apply_tiled_mlp
 from .patching.planning import register_mlp
+from .plan import MemoryPlan, plan_memory
 
 __all__ = [
     "enable_tiling",
@@ -73,11 +78,13 @@ __all__ = [
     "checkpoint",
     "offloaded_layers",
     "register_mlp",
+    "plan_memory",
+    "MemoryPlan",
     "ShardPolicy",
     "auto_num_shards",
     "STRATEGY_NAMES",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 #: Module paths of tiledmlp 0.1.0, before the subpackages: each still imports, as the module that now holds its
 #: code (README, "Layout"). The old modules whose names are now packages (``loss``, ``attention``, ``offload``,

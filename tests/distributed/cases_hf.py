@@ -241,6 +241,46 @@ def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], build: Calla
     return metrics
 
 
+class _Fixed:
+    """A placement of the checkpointed layers' inputs decided in advance (what the memory plan would return)."""
+
+    def __init__(self, places: tuple[str, ...]) -> None:
+        self.places = places
+
+    def __call__(self, nbytes: int) -> tuple[str, ...]:
+        return self.places
+
+
+def _chain_case(env: Env, wrap: Callable[[nn.Module], nn.Module], **options: Any) -> dict[str, Any]:
+    """``offload="auto"`` with layer 0's input on the host and layer 1's recomputed from it in backward (a recompute
+    chain), against the untiled checkpointed Llama; reports the inputs freed and rebuilt."""
+    from tiledmlp.offload import checkpointing, host
+
+    host.MIN_BYTES = 0
+    checkpointing._OFFLOADERS.clear()
+    placements = []
+
+    def tile(model: nn.Module) -> None:
+        tiledmlp.enable_tiling(model, tile_tokens=16, offload="auto", **options)
+        placement = checkpointing.layer_placement(model)
+        placement.decide = _Fixed(("host", "recompute"))
+        placements.append(placement)
+
+    metrics = untiled_vs_tiled(_recipe(env, checkpointed_llama, wrap, tile=tile), env)
+    metrics.update(freed=placements[-1].stats["freed"], rebuilt=placements[-1].stats["rebuilt"])
+    return metrics
+
+
+@case
+def hf_llama_ddp_offload_chain(env: Env) -> dict[str, Any]:
+    return _chain_case(env, ddp(env))
+
+
+@case
+def hf_llama_fsdp2_offload_chain(env: Env) -> dict[str, Any]:
+    return _chain_case(env, fsdp2(env, LlamaDecoderLayer), loss=True, norms=True)
+
+
 @case
 def hf_llama_ddp_offload(env: Env) -> dict[str, Any]:
     return _offload_case(env, ddp(env))

@@ -4,6 +4,8 @@ shared expert and the auxiliary loss; the MoE form), PEFT-LoRA, and a checkpoint
 from __future__ import annotations
 
 import pytest
+import transformers
+from packaging.version import Version
 
 from .harness import assert_all_checked, assert_matches_untiled, launch
 
@@ -64,5 +66,25 @@ def test_offload_matches_untiled_and_restores_every_layer_input(suite, case):
         assert m["offload_regions"] == m["offload_restored"] == 3 * 2, (rank, m)
 
 
+#: offload="auto" with layer 1's input recomputed from layer 0's in backward: (strategy, tiled modules per layer)
+CHAIN = {"hf_llama_ddp_offload_chain": ("ddp", 1), "hf_llama_fsdp2_offload_chain": ("fsdp2", 3)}
+
+
+@pytest.mark.parametrize("case", list(CHAIN))
+def test_a_recompute_chain_matches_untiled(suite, case):
+    """3 steps: the same training as the untiled checkpointed model. In backward each step recomputes both layers (the
+    checkpoint) and runs layer 0's forward once more (to rebuild layer 1's freed input): its tiled modules are called
+    once more than untiled; under FSDP2 layer 0's unit gathers its parameters once more (its collectives differ),
+    and transformers before 5.24, which checkpoints the layer's ``__call__``, calls the unit once more too."""
+    metrics = suite.metrics(case)
+    strategy, per_layer = CHAIN[case]
+    unit_calls = 3 if strategy == "fsdp2" and Version(transformers.__version__) < Version("5.24") else 0
+    for m in metrics:
+        m["calls_in_backward"] -= 3 * (2 + 1) * per_layer + unit_calls
+    assert_matches_untiled(metrics, strategy, collectives=strategy == "ddp")
+    for rank, m in enumerate(metrics):
+        assert m["freed"] == m["rebuilt"] == 3, (rank, m)
+
+
 def test_every_case_checked(suite):
-    assert_all_checked(suite, set(CASES) | set(OFFLOAD))
+    assert_all_checked(suite, set(CASES) | set(OFFLOAD) | set(CHAIN))

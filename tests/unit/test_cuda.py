@@ -375,3 +375,26 @@ def test_hf_llama_attention_option_trains_like_untiled_on_gpu():
                if "_tiledmlp_attention_mode" in m.__dict__) == 2
     for (name, p64), pu, pt in zip(ref64.named_parameters(), untiled.parameters(), tiled.parameters()):
         assert rel_err(pt.grad.double(), p64.grad) <= 1.5 * rel_err(pu.grad.double(), p64.grad) + 1e-3, name
+
+
+@pytest.mark.parametrize("size, layers, lengths", [("8b", 2, (32768, 65536, 131072)), ("1b", 4, (65536, 131072,
+                                                                                                  262144))])
+def test_the_memory_plan_meets_the_measured_peaks(size, layers, lengths):
+    """``plan_memory``'s device and host peaks against one measured step (``bench_longctx.run_variant``: the loss,
+    norms and attention tiled, layer inputs on the host), within 5%, for the Llama-3.1-8B and -3.2-1B shapes at
+    three lengths each."""
+    import argparse
+
+    import bench_longctx
+
+    device = torch.device("cuda")
+    model = bench_longctx.build_model(dict(bench_longctx.MODELS[size], layers=layers), max(lengths), device,
+                                      torch.bfloat16)
+    args = argparse.Namespace(steps=1, multi_step_max=0)
+    for tokens in lengths:
+        row = bench_longctx.run_variant(model, "loss+norms+offload+attn", tokens, args, device)
+        assert abs(row["predicted_gib"] / row["peak_gib"] - 1) <= 0.05, (size, tokens, row)
+        assert abs(row["predicted_host_gib"] / row["host_gib"] - 1) <= 0.05, (size, tokens, row)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()

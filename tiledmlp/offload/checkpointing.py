@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..core.logs import warn_once
+from .chain import LayerCall, recompute_run, rng_state
 from .host import HostOffload
 
 log = logging.getLogger("tiledmlp")
 
-__all__ = ["OFFLOAD_TARGETS", "OffloadingCheckpointFunc", "checkpoint", "checkpointed_layers", "install_offload",
-           "uninstall_offload", "offloaded_layers", "offload_problems", "offloader_for"]
+__all__ = ["OFFLOAD_TARGETS", "PLACES", "LayerPlacement", "OffloadingCheckpointFunc", "checkpoint",
+           "checkpointed_layers", "install_offload", "uninstall_offload", "offloaded_layers", "offload_problems",
+           "offloader_for", "layer_placement", "checkpointing_modules"]
 
-OFFLOAD_TARGETS = ("cpu",)
+OFFLOAD_TARGETS = ("cpu", "auto")
 _SAVED_ATTR = "_tiledmlp_offload_saved"
 _HOOK_ATTR = "_tiledmlp_offload_hook"
 
@@ -56,6 +58,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] 
     recompute; host memory holds them meanwhile. Communication: none.
     """
     _check_target(offload)
+    if offload == "auto":
+        raise ValueError("offload='auto' places the inputs of a model's checkpointed layers from its memory plan: pass "
+                         "it to enable_tiling; tiledmlp.checkpoint takes offload='cpu' or None")
     if use_reentrant:
         raise ValueError("tiledmlp.checkpoint offloads the inputs of non-reentrant checkpointing only (reentrant "
                          "checkpointing saves them itself); call it with use_reentrant=False.")
@@ -67,21 +72,95 @@ def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] 
     return offloader_for(device).run(ckpt, function, *args, **kwargs)
 
 
+PLACES = ("gpu", "host", "recompute")
+
+
+class LayerPlacement:
+    """Where the checkpointed layers of one model keep their inputs between forward and backward, one of
+    :data:`PLACES` per layer in forward order: ``"gpu"`` (kept, as plain checkpointing), ``"host"`` (``host.py``)
+    or ``"recompute"`` (``chain.py``). ``decide(nbytes)`` chooses them for a step whose layer input is ``nbytes``, at
+    the step's first layer (None, ``offload="cpu"``: every layer on the host; ``offload="auto"``: the memory plan,
+    which keeps its decisions). Executes a placement; never decides one."""
+
+    def __init__(self, layers: int, decide: Optional[Callable[[int], Sequence[str]]] = None) -> None:
+        self.layers, self.decide = layers, decide
+        self.places: tuple[str, ...] = ("host",) * layers
+        self.previous: Optional[LayerCall] = None  # the step's last layer call (for a chain); never pickled
+        self.moved: dict[int, str] = {}  # layer index -> why it is offloaded instead of recomputed
+        # calls per place, and the inputs a chain freed and rebuilt (tests, describe)
+        self.stats = {"gpu": 0, "host": 0, "recompute": 0, "freed": 0, "rebuilt": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "previous": None}
+
+    def place(self, index: int, nbytes: int) -> str:
+        if index == 0:
+            self.previous = None  # a chain never reaches into another step
+            if self.decide is not None:
+                places = tuple(self.decide(nbytes))
+                if len(places) != self.layers or set(places) - set(PLACES) or places[:1] == ("recompute",):
+                    raise ValueError(f"a placement gives each of the {self.layers} checkpointed layers one of "
+                                     f"{PLACES}, the first not 'recompute' (nothing below it to recompute from); got "
+                                     f"{places}")
+                self.places = places
+        return self.places[index] if index < len(self.places) else "host"
+
+    @property
+    def chains(self) -> bool:
+        return "recompute" in self.places
+
+
 class OffloadingCheckpointFunc:
     """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``, ``CheckpointWrapper``'s
-    ``checkpoint_fn``: ``functools.partial(checkpoint, use_reentrant=False, ...)``) with the layer's input
-    offloaded (``HostOffload.run``)."""
+    ``checkpoint_fn``: ``functools.partial(checkpoint, use_reentrant=False, ...)``) with the layer's input kept
+    where its model's :class:`LayerPlacement` says: on the device, on the host (``HostOffload.run_region``), or
+    nowhere (recomputed from the previous layer's, ``chain.recompute_run``)."""
 
-    __slots__ = ("original", "layers")
+    __slots__ = ("original", "index", "placement")
 
-    def __init__(self, original: Callable[..., Any], layers: int) -> None:
-        self.original, self.layers = original, layers
+    def __init__(self, original: Callable[..., Any], index: int, placement: LayerPlacement) -> None:
+        self.original, self.index, self.placement = original, index, placement
+
+    @property
+    def layers(self) -> int:
+        return self.placement.layers
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         device = _device_of(args)
-        if device is None:
+        if device is None or not torch.is_grad_enabled():
             return self.original(function, *args, **kwargs)
-        return offloader_for(device, self.layers).run(self.original, function, *args, **kwargs)
+        offloader = offloader_for(device, self.layers)
+        positions = [i for i, a in enumerate(args) if offloader.wants(a)]
+        if not positions:
+            return self.original(function, *args, **kwargs)
+        placement = self.placement
+        place = placement.place(self.index, sum(args[i].numel() * args[i].element_size() for i in positions))
+        previous = placement.previous
+        if place == "recompute" and (previous is None or len(positions) != 1 or not previous.feeds(args[positions[0]])):
+            place = "host"
+            if self.index not in placement.moved:
+                placement.moved[self.index] = ("its input is not the previous checkpointed layer's output (the model "
+                                               "changes the hidden states between layers)")
+                warn_once(("recompute moved", self.index), "offload='auto': checkpointed layer %d is offloaded to the "
+                          "host instead of recomputed: %s", self.index, placement.moved[self.index])
+        placement.stats[place] += 1
+        rng = rng_state(device) if placement.chains else None
+        present: Callable[[], None] = _nothing
+        if place == "gpu":
+            out, given = self.original(function, *args, **kwargs), args
+        elif place == "host":
+            out, given, region = offloader.run_region(self.original, function, *args, **kwargs)
+            present = region.present if region is not None else _nothing
+        else:
+            out, given, present = recompute_run(self.original, function, args, kwargs, positions[0], previous,
+                                               placement.stats)
+        placement.previous = (LayerCall.record(function, given, kwargs, out, rng, present) if placement.chains
+                              else None)
+        return out
+
+
+def _nothing() -> None:
+    return None
 
 
 def _func_attr(module: torch.nn.Module) -> Optional[str]:
@@ -101,17 +180,22 @@ def _original_func(module: torch.nn.Module) -> Any:
     return func.original if isinstance(func, OffloadingCheckpointFunc) else func
 
 
+def checkpointing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that checkpoint their calls (the decoder layers, in forward order), in any way."""
+    flagged = [m for m in model.modules() if callable(_original_func(m))]
+    # Transformers 5 checkpoints in each GradientCheckpointingLayer (the base model keeps a flag it does not
+    # use); older modeling code calls the base model's function once per layer.
+    hf_layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    return hf_layers + [m for m in flagged if _func_attr(m) == "checkpoint_fn"] if hf_layers else flagged
+
+
 def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[torch.nn.Module]:
     """The modules whose checkpointed inputs ``offload`` moves (none for None); ValueError, naming the fix,
     when the model does not checkpoint or checkpoints reentrantly. Changes nothing."""
     _check_target(offload)
     if offload is None:
         return []
-    flagged = [m for m in model.modules() if callable(_original_func(m))]
-    # Transformers 5 checkpoints in each GradientCheckpointingLayer (the base model keeps a flag it does not
-    # use); older modeling code calls the base model's function once per layer.
-    hf_layers = [m for m in flagged if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
-    layers = hf_layers + [m for m in flagged if _func_attr(m) == "checkpoint_fn"] if hf_layers else flagged
+    layers = checkpointing_modules(model)
     if not layers:
         raise ValueError(
             f"offload={offload!r} moves checkpointed activations to the host, but no module of "
@@ -142,11 +226,11 @@ def _checkpoint_problem(module: torch.nn.Module) -> str:
     return ""
 
 
-def _wrap(module: torch.nn.Module, layers: int) -> None:
+def _wrap(module: torch.nn.Module, index: int, placement: LayerPlacement) -> None:
     attr = _func_attr(module)
     original = module.__dict__[attr]
     module.__dict__[_SAVED_ATTR] = (attr, original)
-    setattr(module, attr, OffloadingCheckpointFunc(original, layers))
+    setattr(module, attr, OffloadingCheckpointFunc(original, index, placement))
 
 
 class _KeepOffloading:
@@ -156,13 +240,13 @@ class _KeepOffloading:
     non-reentrant torch checkpointing; otherwise its inputs stay on the device, said once and in ``describe()``.
     Holds the layers' names (copies and pickles of the model keep working)."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
+    def __init__(self, names: list[str], placement: LayerPlacement) -> None:
+        self.names, self.placement = names, placement
         self.problems: dict[str, str] = {}  # layer -> why its inputs are not offloaded now
 
     def __call__(self, model: torch.nn.Module, args: Any) -> None:
         wrapped, problems = [], {}
-        for name in self.names:
+        for index, name in enumerate(self.names):
             layer = model.get_submodule(name)
             attr, _ = layer.__dict__[_SAVED_ATTR]
             if isinstance(layer.__dict__.get(attr), OffloadingCheckpointFunc):
@@ -171,7 +255,7 @@ class _KeepOffloading:
             if problem:
                 problems.setdefault(problem, []).append(name)
             else:
-                _wrap(layer, len(self.names))
+                _wrap(layer, index, self.placement)
                 wrapped.append(name)
         if wrapped:
             log.info("offload='cpu': the checkpoint function of %d layers was replaced since enable_tiling "
@@ -183,16 +267,21 @@ class _KeepOffloading:
                       problem)
 
 
-def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
-    """Give each of ``layers`` the offloading checkpoint function (restoring any earlier one first), and keep it
-    there (:class:`_KeepOffloading`)."""
+def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module],
+                    decide: Optional[Callable[[int], Sequence[str]]] = None) -> Optional[LayerPlacement]:
+    """Give each of ``layers`` (in forward order) the offloading checkpoint function (restoring any earlier one
+    first), their inputs placed by ``decide`` (None: every one on the host), and keep it there
+    (:class:`_KeepOffloading`). Returns the layers' placement (None without layers)."""
     uninstall_offload(model)
-    for m in layers:
-        _wrap(m, len(layers))
-    if layers:
-        names = {m: n for n, m in model.named_modules()}
-        hook = _KeepOffloading([names[m] for m in layers])
-        model.__dict__[_HOOK_ATTR] = (hook, model.register_forward_pre_hook(hook))
+    if not layers:
+        return None
+    placement = LayerPlacement(len(layers), decide)
+    for index, m in enumerate(layers):
+        _wrap(m, index, placement)
+    names = {m: n for n, m in model.named_modules()}
+    hook = _KeepOffloading([names[m] for m in layers], placement)
+    model.__dict__[_HOOK_ATTR] = (hook, model.register_forward_pre_hook(hook))
+    return placement
 
 
 def uninstall_offload(model: torch.nn.Module) -> None:
@@ -212,6 +301,12 @@ def offloaded_layers(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules()
             if _SAVED_ATTR in m.__dict__
             and isinstance(getattr(m, m.__dict__[_SAVED_ATTR][0]), OffloadingCheckpointFunc)]
+
+
+def layer_placement(model: torch.nn.Module) -> Optional[LayerPlacement]:
+    """The placement of ``model``'s offloaded layers (None when nothing is offloaded)."""
+    hook = model.__dict__.get(_HOOK_ATTR)
+    return hook[0].placement if hook is not None else None
 
 
 def offload_problems(model: torch.nn.Module) -> dict[str, str]:

@@ -118,6 +118,11 @@ class _Region:
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
 
+    def present(self) -> None:
+        """The inputs back on the device now, for the compute stream (a recompute chain needs them early)."""
+        self.restore()
+        self.wait()
+
     def release_hosts(self) -> None:
         _release(self.owner, self.hosts, self.released)
 
@@ -252,11 +257,17 @@ class HostOffload:
     def run(self, checkpoint_fn: Callable[..., Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``checkpoint_fn(fn, *args, **kwargs)`` with the large tensor arguments offloaded between the
         region's forward and its recompute."""
+        return self.run_region(checkpoint_fn, fn, *args, **kwargs)[0]
+
+    def run_region(self, checkpoint_fn: Callable[..., Any], fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> tuple[Any, tuple, Optional["_Region"]]:
+        """:meth:`run`, also returning the arguments as the checkpoint got them (the offloaded ones are clones)
+        and the region (None if nothing was offloaded): ``region.present()`` brings its inputs back now."""
         if not torch.is_grad_enabled():
-            return checkpoint_fn(fn, *args, **kwargs)
+            return checkpoint_fn(fn, *args, **kwargs), args, None
         positions = [i for i, a in enumerate(args) if self.wants(a)]
         if not positions:
-            return checkpoint_fn(fn, *args, **kwargs)
+            return checkpoint_fn(fn, *args, **kwargs), args, None
         with record_function("tiledmlp::offload_out"):
             args = list(args)
             clones = [args[i].clone() for i in positions]  # a tensor only the region holds (see note)
@@ -282,7 +293,7 @@ class HostOffload:
                                                                   mode="any")
         else:
             region.restore()  # nothing will recompute it (or nothing was offloaded): put it back
-        return out
+        return out, tuple(args), region
 
     def _send(self, tensors: list[torch.Tensor]) -> _Region:
         if self.stream is None:  # exact, and how the CPU tests exercise it, but it saves nothing

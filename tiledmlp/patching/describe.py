@@ -34,7 +34,8 @@ from ..distributed.tensor_parallel import read_style
 from ..forms.moe import ExpertsLayout
 from ..forms.quant import QuantizedLinear
 from ..loss.heads import HeadSpec
-from ..offload.checkpointing import offload_problems, offloaded_layers
+from ..offload.checkpointing import PLACES, layer_placement, offload_problems, offloaded_layers
+from ..plan.plans import MemoryPlan, plan_memory
 from .call_spec import TiledCallSpec
 from .patch import tiled_states
 from .state import TilingState
@@ -75,7 +76,7 @@ class Description(dict):
 
     def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
                  not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None,
-                 on_cpu: bool = False) -> None:
+                 on_cpu: bool = False, memory: Optional[MemoryPlan] = None, placed: str = "") -> None:
         super().__init__(infos)
         self.tokens = tokens
         self.on_cpu = on_cpu  # every parameter of the model is in host memory
@@ -84,6 +85,10 @@ class Description(dict):
         self.not_offloaded = dict(not_offloaded or {})
         # layers attention=True was enabled in -> what their attention calls did (tiledmlp.attention)
         self.attention = dict(attention or {})
+        # the memory plan of one step of ``tokens`` (tiledmlp.plan; None without a length, or for a model it cannot
+        # plan: no decoder config or no checkpointed layers)
+        self.memory = memory
+        self.placed = placed  # offload="auto": where the last step's layer inputs waited ("not run yet" before one)
 
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
@@ -114,7 +119,10 @@ class Description(dict):
         if sized and self.tokens:
             # Modules run one after another: the peak is the largest, not the sum.
             parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
-        if self.offloaded:
+        if self.offloaded and self.placed:
+            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers placed by the memory plan "
+                         f"(offload='auto'; last step: {self.placed})")
+        elif self.offloaded:
             parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host"
                          + (" (the model is on the CPU: copied within host memory, nothing saved)"
                             if self.on_cpu else ""))
@@ -137,6 +145,7 @@ class Description(dict):
             (i.reason or i.computes) + (f"; untiled: {i.fallback}" if i.fallback else "")) for i in self.values()]
         widths = [max(len(r[k]) for r in rows) for k in range(len(head) - 1)]
         lines = [self.summary()] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+        lines += self.memory.table().splitlines() if self.memory is not None else []
         return "\n".join(line.rstrip() for line in lines)
 
     __repr__ = __str__
@@ -248,11 +257,19 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
     """``{qualified name: TileInfo}`` for every module of ``model`` that ``enable_tiling`` tiled.
 
     ``seq_len``: tokens per call (all of a batch's tokens: ``batch * sequence``) for which to give
-    shards and scratch; None: forms, strategies and policies only. ``model`` may be the wrapper:
+    shards and scratch, and (a Hugging Face causal LM with checkpointed layers) the memory plan of one step
+    (:func:`plan_memory`, printed after the table, ``Description.memory``); None: forms, strategies and policies
+    only. ``model`` may be the wrapper:
     strategies are resolved against its current wrapping. Costs no computation and no communication.
     """
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
+    description = _described(model, seq_len)
+    description.memory = _memory_plan(model, seq_len)
+    return description
+
+
+def _described(model: nn.Module, seq_len: Optional[int]) -> Description:
     infos = {}
     for name, module, state, strategy in tiled_states(model):
         info = infos[name] = _info(name, state, strategy, seq_len)
@@ -262,13 +279,36 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
                                   "again at its next call")
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model),
-                       on_cpu)
+                       on_cpu, placed=_placed(model))
+
+
+def _placed(model: nn.Module) -> str:
+    """offload="auto": how many layer inputs the last step kept, sent to the host and recomputed ("" otherwise)."""
+    placement = layer_placement(model)
+    if placement is None or placement.decide is None:
+        return ""
+    if not any(placement.stats[p] for p in PLACES):
+        return "not run yet"
+    counts = Counter(placement.places)
+    return ", ".join(f"{counts[p]} {word}" for p, word in (("gpu", "kept"), ("host", "on the host"),
+                                                            ("recompute", "recomputed")) if counts[p])
+
+
+def _memory_plan(model: nn.Module, seq_len: Optional[int]) -> Optional[MemoryPlan]:
+    """The plan of one step of ``seq_len`` tokens, where ``model`` is one the planner models."""
+    if seq_len is None:
+        return None
+    try:
+        return plan_memory(model, seq_len)
+    except ValueError as why:  # no decoder config, or no checkpointed layers
+        log.debug("describe: no memory plan for %s: %s", type(model).__name__, why)
+        return None
 
 
 def log_summary(model: nn.Module) -> None:
     """``enable_tiling``'s log lines: one INFO summary, and a WARNING per module that looks like an MLP
     but got the generic form, with the reason (which names the fix)."""
-    description = describe(model, DEFAULT_DESCRIBE_TOKENS)
+    description = _described(model, DEFAULT_DESCRIBE_TOKENS)
     log.info("%s", description.summary())
     for name, module, state, _ in tiled_states(model):
         if state.warn:

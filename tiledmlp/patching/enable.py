@@ -19,6 +19,8 @@ from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.selection import STRATEGY_NAMES
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
+from ..plan.memory import StepOptions
+from ..plan.plans import OPTIONS_ATTR, AutoPlacement, options_for_length
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
 from .patch import install, tiled_names, uninstall
@@ -32,7 +34,7 @@ log = logging.getLogger("tiledmlp")
 _FORMS = ("auto", "generic")
 _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
             "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms", "projections",
-            "attention")
+            "attention", "gpu_mib", "host_mib", "seq_len")
 
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
@@ -81,9 +83,20 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             many shards). See ``tiledmlp.loss``.
         offload: ``"cpu"``: keep the inputs of the model's checkpointed layers in pinned host memory from
             their forward to their recompute, copied on a side stream and prefetched one layer ahead
-            (``tiledmlp.offload``; bit-identical results). Needs Hugging Face non-reentrant checkpointing
+            (``tiledmlp.offload``; bit-identical results). ``"auto"``: each layer's input where the memory plan
+            (:func:`plan_memory`) puts it for the step's length: kept on the device while the device budget
+            allows, on the host while the host budget lasts, else recomputed in backward from the layer below
+            (one more layer forward; bit-identical); a length that fits nowhere is a ``MemoryError`` at the step's
+            first layer naming the longest that fits. Needs Hugging Face non-reentrant checkpointing
             (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
             before this call); custom models call :func:`checkpoint` instead. Default None.
+        gpu_mib, host_mib: ``offload="auto"``'s budgets for one step on this rank (default: what the process may
+            use when the step starts, minus margins: free device memory and what its allocator holds; available host
+            memory, control-group aware).
+        seq_len: the tokens per step (per sequence; batch size 1) to plan for: the memory options not given
+            (``norms``, ``attention``, ``offload``) are the fewest that make the plan fit (:func:`plan_memory`;
+            turned on in that order), said in one INFO line; a length that fits nowhere is a ValueError naming the
+            longest that does. Needs checkpointed layers.
         norms: also tile the normalization layers (RMSNorm, LayerNorm, whatever their class: recognized by
             what they compute, ``tiledmlp.recognize.norms``) with the generic form: each keeps only its input for
             backward and computes its float32 intermediates one shard at a time (shards sized by
@@ -132,6 +145,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
     check_grouped_kv_under_cp(model)
+    seq_len = options.pop("seq_len", None)
+    if seq_len is not None:
+        loss = _options_for(model, seq_len, loss, options)
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}")
     form = options.get("form", "auto")
@@ -147,7 +163,17 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         raise TypeError(f"loss must be None (the default: tiled where the model has an LM head it can tile), True "
                         f"or False, got {loss!r}")
     loss_options = None if loss is False else _loss_options(options)
-    offload_layers = checkpointed_layers(model, options.get("offload"))
+    offload = options.get("offload")
+    offload_layers = checkpointed_layers(model, offload)
+    budgets = {key: options.get(key) for key in ("gpu_mib", "host_mib")}
+    for key, value in budgets.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value < float("inf")):
+            raise ValueError(f"{key} must be a number of MiB >= 0 (a budget of offload='auto') or None for what this "
+                             f"process may use, got {value!r}")
+        if value is not None and offload != "auto" and seq_len is None:
+            raise ValueError(f"{key} is a budget of offload='auto' (where each checkpointed layer's input waits); "
+                             f"pass offload='auto' with it, or leave it out")
 
     norms, projections = options.get("norms", False), options.get("projections", False)
     attention = options.get("attention", False)
@@ -166,7 +192,11 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
     install_follower(model, plan_options)
-    install_offload(model, offload_layers)
+    step = StepOptions(loss=loss_options is not None, norms=norms, attention=attention, offload=offload,
+                       **({"loss_scratch_bytes": int(loss_options.scratch_mib * 2**20)}
+                          if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
+    model.__dict__[OPTIONS_ATTR] = step
+    install_offload(model, offload_layers, AutoPlacement(model, step) if offload == "auto" else None)
     install_attention(model, layers, policy.scratch_mib)
     # A tiled norm remembers which output it returned from which input only where q/k/v may take it
     # (tiledmlp.attention): elsewhere nothing would read it.
@@ -175,6 +205,22 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             state.remembers_output = bool(layers)
     log_summary(model)
     return model
+
+
+def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: dict[str, Any]) -> Optional[bool]:
+    """``seq_len=T``: fill in the memory options not given from the plan for that length (``tiledmlp.plan``), said
+    once; returns ``loss``. ValueError, naming the longest length that fits, when nothing does."""
+    given = {k: options[k] for k in ("norms", "attention", "offload") if k in options}
+    if loss is not None:
+        given["loss"] = loss
+    chosen, plan, turned_on = options_for_length(model, seq_len, given, options.get("gpu_mib"),
+                                                 options.get("host_mib"))
+    options.update({k: v for k, v in chosen.items() if k != "loss"})
+    log.info("enable_tiling(seq_len=%d): %s (%s); %s", seq_len,
+             ", ".join(f"{k}={v!r}" for k, v in chosen.items()),
+             f"turned on {', '.join(turned_on)} to fit" if turned_on else "fits as given",
+             plan.table().splitlines()[0].split(": ", 1)[1])
+    return loss if "loss" in given else (None if chosen["loss"] else False)
 
 
 def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
@@ -215,6 +261,7 @@ def disable_tiling(model: nn.Module) -> nn.Module:
     uninstall(model)
     uninstall_follower(model)
     uninstall_offload(model)
+    model.__dict__.pop(OPTIONS_ATTR, None)
     return model
 
 

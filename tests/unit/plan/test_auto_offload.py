@@ -1,0 +1,162 @@
+"""``enable_tiling(model, offload="auto")`` on CPU: the placement the plan chooses for each step's length within the
+budgets given, executed (kept, host, recomputed), bit for bit like plain checkpointing; a length that fits nowhere is
+refused at the step's first layer with the longest that fits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import tiledmlp
+from tiledmlp.offload import checkpointing, host
+from tiledmlp.plan.memory import arrange, step_peak
+from tiledmlp.plan.plans import ESCALATION, step_options
+from tiledmlp.plan.shapes import model_shape
+
+transformers = pytest.importorskip("transformers")
+LAYERS, BATCH, TOKENS = 6, 2, 512
+
+
+@pytest.fixture(autouse=True)
+def fresh_offloaders(monkeypatch):
+    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
+    monkeypatch.setattr(host, "MIN_BYTES", 0)
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def train(model: torch.nn.Module, steps: int = 2) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def budgets_for(kept_on_gpu: int, on_host: int) -> dict[str, float]:
+    """Budgets just large enough for ``kept_on_gpu`` layer inputs on the device, ``on_host`` on the host and the rest
+    recomputed (the plan may keep more on the device where that fits too)."""
+    model = llama()
+    shape = model_shape(model)
+    options = step_options(model, offload="auto")
+    places = arrange(LAYERS, kept_on_gpu, LAYERS - kept_on_gpu - on_host)
+    peak = step_peak(shape, options, BATCH * TOKENS, places)
+    return {"gpu_mib": peak.gpu_bytes / 2**20, "host_mib": peak.host_bytes / 2**20}
+
+
+@pytest.mark.parametrize("kept_on_gpu, on_host", [(6, 0), (3, 3), (2, 2), (1, 1)])
+def test_auto_places_within_the_budgets_and_trains_bit_for_bit(kept_on_gpu, on_host, caplog):
+    ref = train(tiledmlp.enable_tiling(llama(), tile_tokens=16))
+    budgets = budgets_for(kept_on_gpu, on_host)
+    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto", **budgets)
+    plan = tiledmlp.plan_memory(model, TOKENS, batch_size=BATCH, **budgets)
+    assert plan.fits and plan.placement.count("gpu") >= kept_on_gpu, plan.table()
+    assert plan.placement.count("host") <= on_host
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        got = train(model)
+    for (loss, grads), (loss_ref, grads_ref) in zip(got, ref):
+        assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+    placement = checkpointing.layer_placement(model)
+    assert placement.places == plan.placement
+    for where in ("gpu", "host", "recompute"):
+        assert placement.stats[where] == 2 * plan.placement.count(where)
+    assert placement.stats["rebuilt"] == 2 * plan.placement.count("recompute")
+    assert caplog.text.count("offload='auto' at 1,024 tokens") == 1  # decided once for the length
+
+
+def test_tight_budgets_recompute_and_keep_the_most_that_fits():
+    """The last case's budgets: the host takes one layer input, so some are recomputed; the device keeps more than
+    the one it was sized for where the rebuild, not the kept inputs, is the peak (the plan's choice fits, and one
+    more layer on the device would not)."""
+    budgets = budgets_for(1, 1)
+    plan = tiledmlp.plan_memory(llama(), TOKENS, batch_size=BATCH, offload="auto", **budgets)
+    assert plan.fits and plan.placement.count("host") == 1 and "recompute" in plan.placement, plan.table()
+    shape, options = model_shape(llama()), step_options(llama(), offload="auto")
+    kept = plan.placement.count("gpu")
+    more = arrange(LAYERS, kept + 1, LAYERS - kept - 2)
+    assert more is None or step_peak(shape, options, BATCH * TOKENS, more).gpu_bytes > plan.gpu_budget_bytes
+
+
+def test_a_length_that_fits_nowhere_is_refused_at_the_first_layer():
+    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto", gpu_mib=0.05, host_mib=0)
+    ids = torch.randint(128, (BATCH, TOKENS))
+    with pytest.raises(MemoryError, match=r"needs .* GiB of device memory .* The longest that fits is"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_budgets_need_auto_offload():
+    with pytest.raises(ValueError, match="budget of offload='auto'"):
+        tiledmlp.enable_tiling(llama(), gpu_mib=100)
+
+
+def test_plan_memory_reads_the_options_a_model_was_tiled_with():
+    model = tiledmlp.enable_tiling(llama(), norms=True, attention=True, offload="auto", gpu_mib=64, host_mib=64)
+    plan = tiledmlp.plan_memory(model, 1024, gpu_mib=64, host_mib=64)
+    assert (plan.options.norms, plan.options.attention, plan.options.offload) == (True, True, "auto")
+    assert tiledmlp.plan_memory(model, 1024, attention=False, gpu_mib=64).options.attention is False
+    tiledmlp.disable_tiling(model)
+    assert tiledmlp.plan_memory(model, 1024, gpu_mib=64).options.offload is None
+
+
+@pytest.mark.parametrize("removed", [0, 1, 3])
+def test_seq_len_turns_on_the_fewest_options_that_fit(removed, caplog):
+    """A device budget ``removed`` layer inputs short of the untiled plan's: the options turned on are the shortest
+    prefix of the escalation whose plan fits (each prefix planned here too)."""
+    everything = tiledmlp.plan_memory(llama(), 4096, offload=None, gpu_mib=1 << 20, host_mib=0)
+    budgets = {"gpu_mib": (everything.gpu_peak_bytes - removed * 4096 * 64 * 4) / 2**20, "host_mib": 1}
+    prefixes = [dict(ESCALATION[:k]) for k in range(len(ESCALATION) + 1)]
+    fitting = next(p for p in prefixes if tiledmlp.plan_memory(llama(), 4096, **p, **budgets).fits)
+    model = llama()
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        tiledmlp.enable_tiling(model, seq_len=4096, **budgets)
+    plan = tiledmlp.plan_memory(model, 4096, **budgets)
+    assert plan.fits and {k: getattr(plan.options, k) for k in fitting} == fitting
+    assert (checkpointing.layer_placement(model) is not None) == ("offload" in fitting)
+    said = "fits as given" if not fitting else f"turned on {', '.join(f'{k}={v!r}' for k, v in fitting.items())}"
+    assert said in caplog.text
+    if removed:
+        assert fitting  # something had to be turned on
+
+
+def test_seq_len_keeps_what_was_given_and_refuses_what_cannot_fit():
+    given = {"norms": True, "attention": True, "offload": None}
+    model = llama()
+    base = tiledmlp.plan_memory(model, 4096, **given, gpu_mib=1 << 20, host_mib=0)
+    tight = {"gpu_mib": (base.gpu_peak_bytes - 3 * 4096 * 64 * 4) / 2**20, "host_mib": 1}
+    assert tiledmlp.plan_memory(model, 4096, **dict(given, offload="auto"), **tight).fits
+    with pytest.raises(ValueError, match=r"seq_len=4096.*The longest that fits is [\d,]+ tokens; offload='auto' "
+                                         r"would make this length fit"):
+        tiledmlp.enable_tiling(model, seq_len=4096, **given, **tight)
+    assert not tiledmlp.tiled_modules(model)  # nothing changed
+    with pytest.raises(ValueError, match="The longest that fits is"):
+        tiledmlp.enable_tiling(model, seq_len=1 << 24, **tight)
+
+
+def test_describe_shows_the_placement_and_the_plan():
+    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto", **budgets_for(2, 2))
+    assert "placed by the memory plan (offload='auto'; last step: not run yet)" in tiledmlp.describe(model).summary()
+    train(model, steps=1)
+    placement = checkpointing.layer_placement(model).places
+    description = tiledmlp.describe(model, BATCH * TOKENS)
+    said = ", ".join(f"{placement.count(p)} {word}" for p, word in (("gpu", "kept"), ("host", "on the host"),
+                                                                      ("recompute", "recomputed")) if p in placement)
+    assert f"last step: {said})" in description.summary()
+    assert description.memory is not None and description.memory.options.offload == "auto"
+    assert description.memory.placement == placement  # planned within the budgets enable_tiling was given
+    assert str(description).splitlines()[-len(description.memory.table().splitlines()):] == \
+        description.memory.table().splitlines()
+    assert tiledmlp.describe(model).memory is None

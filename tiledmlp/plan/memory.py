@@ -1,0 +1,187 @@
+"""The memory model of one training step, per rank, and the placement of the checkpointed layers' inputs.
+
+Design note — what is counted, where the peak is
+------------------------------------------------
+A checkpointed decoder keeps, from forward to backward, each layer's input (``tokens x hidden``): on the device, on
+the host (``offload``), or nowhere (recomputed from the layer below: ``tiledmlp.offload.chain``). Its peak is inside
+one layer's backward, where that layer's recompute has rebuilt what its forward saves and its backward runs. Layer
+``i``'s backward holds:
+
+* the weights, and the optimizer states when given;
+* the gradients made so far: the head's and those of layers ``i`` and above (the input embedding's comes last);
+* the inputs kept on the device of the layers below ``i``;
+* the layer's working set, per token: the attention core's saved output and log-sum-exp, q/k/v, the layer input,
+  the gradient flowing in, the residual, the norms' outputs, the MLP's input gradient, and, unless
+  ``attention=True``, the core's backward scratch for all heads (``docs/long-context.md``, "What is alive at the
+  peak", measured term by term);
+* a recomputed layer's rebuild: the layer input below it, once more.
+
+The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
+host holds the offloaded inputs in pinned buffers. Terms the tables do not attribute (allocator rounding of large
+blocks, small buffers) are the ``calibration`` factor on the working set: the slope measured on an H100 over the
+slope modelled here (:data:`CALIBRATION`; the model met the measured peaks of 4 and 32 layers of the Llama-3.1-8B
+shape at 128K-768K tokens within 3%, ``tests/unit/plan/test_memory.py``).
+
+Design note — placement
+-----------------------
+Kept on the device is fastest, then the host (a copy each way, overlapped), then recompute (one more layer forward).
+:func:`place` keeps the most layers on the device that the device budget allows (the top layers: their backward
+comes first, when fewest gradients exist), sends the rest to the host while the host budget lasts, and recomputes
+what is left, spread so that no two recomputed layers are adjacent while that is possible (a chain of ``k`` costs
+``k (k + 1) / 2`` extra forwards). Layer 0 is never recomputed: nothing below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..offload import host
+from .shapes import ModelShape
+
+__all__ = ["GPU", "HOST", "RECOMPUTE", "CALIBRATION", "StepOptions", "Term", "Peak", "step_peak", "arrange", "place",
+           "working_bytes_per_token"]
+
+GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"
+
+#: measured / modelled per-token slope of the step's peak (Llama-3.1-8B shape, bf16, one H100 80GB,
+#: ``benchmarks/results/bench_longctx_nvidia-h100-80gb-hbm3_8b_attn_*.csv``): with ``attention=True`` 65.2 KiB per
+#: token measured between 128K and 768K against 60.1 modelled; without, 96.7 against 96.1
+CALIBRATION = {True: 65.2 / 60.125, False: 96.7 / 96.125}
+
+#: per token, untiled norms add their float32 copies of the input and their outputs in each layer's recompute:
+#: measured 4.23 GiB at 128K tokens of the Llama-3.2-1B shape (hidden 2048, bf16, H200: 14.95 -> 10.72 GiB with
+#: ``norms=True``), about 8.5 hidden vectors
+UNTILED_NORMS_HIDDEN_VECTORS = 8.5
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What changes a step's memory: the tiling options, and the optimizer's state bytes on this rank."""
+
+    loss: bool = True
+    norms: bool = False
+    attention: bool = False
+    offload: Optional[str] = None  # None (every input kept), "cpu" (every input on the host) or "auto"
+    optimizer_bytes: int = 0  # the optimizer's states on this rank (offload="auto": whatever else is on the device)
+    loss_scratch_bytes: int = 256 << 20
+    gpu_mib: Optional[float] = None  # the budgets given to enable_tiling (None: what the process may use)
+    host_mib: Optional[float] = None
+
+
+def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
+    """Bytes per token of one layer's backward at its peak, the layer input included (design note), calibrated."""
+    a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
+    core_saved = q * a + shape.heads * 4  # the attention core's output and its float32 log-sum-exp
+    qkv = (q + 2 * kv) * a
+    if options.attention:
+        # the layer input, the gradient in, the residual, the post-attention norm's output, the MLP's input gradient
+        modelled = core_saved + qkv + 5 * h * a
+    else:
+        expanded = 2 * q * a if kv < q else 0  # dk and dv expanded to every query head (grouped KV)
+        core_backward = 4 * q + expanded + q * a + 2 * kv * a  # float32 dq accumulator, dq, dk, dv
+        # the input norm's output (kept by q/k/v), the layer input, the gradient in, the output projection's input
+        # gradient
+        modelled = core_backward + core_saved + qkv + 4 * h * a
+    if not options.norms:
+        modelled += UNTILED_NORMS_HIDDEN_VECTORS * h * a
+    return modelled * CALIBRATION[options.attention]
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a plan's table: what, where (``"gpu"`` or ``"host"``), how many bytes at the peak."""
+
+    name: str
+    where: str
+    nbytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A step's peaks for one placement: the device's (where it happens, its terms) and the host's."""
+
+    gpu_bytes: int
+    host_bytes: int
+    moment: str
+    terms: tuple[Term, ...] = field(default_factory=tuple)
+
+
+def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str]) -> Peak:
+    """The peaks of a step over ``tokens`` local tokens with the checkpointed layers' inputs at ``places`` (design
+    note)."""
+    n, layer_grad_bytes = len(places), shape.layer_grad_bytes
+    kept = tokens * shape.layer_input_bytes_per_token  # one layer's input
+    working = int(tokens * working_bytes_per_token(shape, options))
+    fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes)]
+    candidates, on_gpu_below, grads_from_i = [], 0, shape.grad_bytes - shape.embedding_grad_bytes
+    for i in range(n):
+        layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
+        terms = fixed + [
+            Term("gradients", GPU, grads_from_i,
+                 f"the head's and {layers}'s (the input embedding's comes after the layers)"),
+            Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
+            Term("the layer's backward", GPU, working, f"{working / max(tokens, 1) / 1024:.1f} KiB per token"),
+            Term("the input below, for the rebuild", GPU, kept if places[i] == RECOMPUTE else 0)]
+        candidates.append((f"in layer {i}'s backward", terms))
+        on_gpu_below += places[i] == GPU
+        grads_from_i -= layer_grad_bytes[i]
+    # tiled: a logits chunk within its budget, the head's float32 gradient, the hidden states' gradient; untiled: the
+    # logits, their float32 copy and gradient
+    loss_forward = (min(options.loss_scratch_bytes, tokens * shape.vocab * (shape.act_itemsize + 4))
+                    + shape.vocab * shape.hidden * 4 + tokens * shape.layer_input_bytes_per_token if options.loss
+                    else tokens * shape.vocab * (shape.act_itemsize + 8))
+    candidates.append(("at the end of the forward", fixed + [
+        Term("layer inputs kept on the device", GPU, sum(p == GPU for p in places) * kept),
+        Term("the loss", GPU, loss_forward, "a logits chunk, the head's float32 gradient" if options.loss
+             else "the logits, their float32 copy and gradient")]))
+    moment, terms = max(candidates, key=lambda c: sum(t.nbytes for t in c[1]))
+    host = Term("layer inputs on the host (pinned)", HOST, sum(p == HOST for p in places) * kept,
+                f"{sum(p == HOST for p in places)} layers")
+    recomputed = sum(p == RECOMPUTE for p in places)
+    terms = [t for t in terms if t.nbytes] + [host] + (
+        [Term("layer inputs recomputed", GPU, 0, f"{recomputed} layers: one more layer forward each")]
+        if recomputed else [])
+    return Peak(sum(t.nbytes for t in terms if t.where == GPU), host.nbytes, moment, tuple(terms))
+
+
+def arrange(n: int, on_gpu: int, recomputed: int) -> Optional[tuple[str, ...]]:
+    """``n`` places: the top ``on_gpu`` layers on the device, ``recomputed`` of the others recomputed (odd positions
+    first, then even ones from 2: layer 0 never), the rest on the host; None when that cannot be."""
+    below = n - on_gpu
+    if recomputed > max(below - 1, 0):
+        return None
+    order = list(range(1, below, 2)) + list(range(2, below, 2))
+    chosen = set(order[:recomputed])
+    return tuple(RECOMPUTE if i in chosen else HOST if i < below else GPU for i in range(n))
+
+
+def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int],
+          host_budget: Optional[int]) -> tuple[tuple[str, ...], Peak]:
+    """The placement of the inputs of the checkpointed layers for ``options.offload``
+    (``"auto"``: design note; ``"cpu"``: every one on the host; None: every one kept) and its peaks. Under
+    ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
+    n = len(shape.layer_grad_bytes)
+    if tokens * shape.layer_input_bytes_per_token < host.MIN_BYTES:  # too small to move: the offloader keeps it
+        places = (GPU,) * n
+        return places, step_peak(shape, options, tokens, places)
+    if options.offload != "auto":
+        places = (HOST if options.offload == "cpu" else GPU,) * n
+        return places, step_peak(shape, options, tokens, places)
+    kept = max(tokens * shape.layer_input_bytes_per_token, 1)
+    host_slots = n if host_budget is None else host_budget // kept
+    best = None
+    for on_gpu in range(n, -1, -1):
+        places = arrange(n, on_gpu, max(n - on_gpu - host_slots, 0))
+        if places is None:
+            continue
+        peak = step_peak(shape, options, tokens, places)
+        if gpu_budget is None or peak.gpu_bytes <= gpu_budget:
+            return places, peak
+        if best is None or peak.gpu_bytes < best[1].gpu_bytes:
+            best = (places, peak)
+    if best is None:  # not even the host has room with every possible layer recomputed
+        places = arrange(n, 0, max(n - 1, 0)) or (HOST,) * n
+        best = (places, step_peak(shape, options, tokens, places))
+    return best
