@@ -16,7 +16,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "integrations.md").
 
 
 def test_the_page_has_its_blocks():
-    assert len(BLOCKS) == 7
+    assert len(BLOCKS) == 8
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -28,7 +28,8 @@ def test_block_runs(index, tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     expected = {0: "tiled 2 MLPs", 1: "{'0': 'plain'} {'module.0': 'ddp'}",
                 2: "[('glu', 'deepspeed'), ('loss', 'deepspeed')]", 3: "['glu', 'loss']",
-                4: "[('glu', True), ('loss', False)]", 5: "['glu', 'loss', 'proj']", 6: "fsdp2+tp"}[index]
+                4: "[('glu', True), ('loss', False)]", 5: "5 normalization layers", 6: "['glu', 'loss', 'proj']",
+                7: "fsdp2+tp"}[index]
     assert expected in last, proc.stdout[-2000:]
 
 
