@@ -20,7 +20,7 @@ log = logging.getLogger("tiledmlp")
 
 __all__ = ["OFFLOAD_TARGETS", "PLACES", "LayerPlacement", "OffloadingCheckpointFunc", "checkpoint",
            "checkpointed_layers", "install_offload", "uninstall_offload", "offloaded_layers", "offload_problems",
-           "offloader_for", "layer_placement", "checkpointing_modules"]
+           "offloader_for", "layer_placement", "checkpointing_modules", "pinned_bytes"]
 
 OFFLOAD_TARGETS = ("cpu", "auto")
 _SAVED_ATTR = "_tiledmlp_offload_saved"
@@ -37,6 +37,12 @@ def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffloa
         offloader = _OFFLOADERS[device] = HostOffload(device)
     offloader.expected_regions = max(offloader.expected_regions, expected_regions)
     return offloader
+
+
+def pinned_bytes(device: torch.device) -> int:
+    """Host bytes the process's offloader for ``device`` holds in its pool (reused by later steps; 0 if none)."""
+    offloader = _OFFLOADERS.get(device)
+    return offloader.stats["host_bytes"] if offloader is not None else 0
 
 
 def _check_target(offload: Optional[str]) -> None:

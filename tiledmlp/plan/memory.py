@@ -14,7 +14,8 @@ one layer's backward, where that layer's recompute has rebuilt what its forward 
   the gradient flowing in, the residual, the norms' outputs, the MLP's input gradient, and, unless
   ``attention=True``, the core's backward scratch for all heads (``docs/long-context.md``, "What is alive at the
   peak", measured term by term);
-* a recomputed layer's rebuild: the layer input below it, once more.
+* a recomputed layer's rebuild: the inputs of the layers below it down to the kept one (one, unless recomputed
+  layers are adjacent).
 
 The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
 host holds the offloaded inputs in pinned buffers. Terms the tables do not attribute (allocator rounding of large
@@ -115,15 +116,16 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     kept = tokens * shape.layer_input_bytes_per_token  # one layer's input
     working = int(tokens * working_bytes_per_token(shape, options))
     fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes)]
-    candidates, on_gpu_below, grads_from_i = [], 0, shape.grad_bytes - shape.embedding_grad_bytes
+    candidates, on_gpu_below, grads_from_i, chain = [], 0, shape.grad_bytes - shape.embedding_grad_bytes, 0
     for i in range(n):
+        chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
         terms = fixed + [
             Term("gradients", GPU, grads_from_i,
                  f"the head's and {layers}'s (the input embedding's comes after the layers)"),
             Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
             Term("the layer's backward", GPU, working, f"{working / max(tokens, 1) / 1024:.1f} KiB per token"),
-            Term("the input below, for the rebuild", GPU, kept if places[i] == RECOMPUTE else 0)]
+            Term("the inputs below, for the rebuild", GPU, chain * kept)]
         candidates.append((f"in layer {i}'s backward", terms))
         on_gpu_below += places[i] == GPU
         grads_from_i -= layer_grad_bytes[i]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..core.logs import warn_once
+from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
 from .shapes import ModelShape, local_bytes, model_shape
@@ -24,6 +25,8 @@ log = logging.getLogger("tiledmlp")
 OPTIONS_ATTR = "_tiledmlp_step_options"
 GPU_MARGIN = (1 << 30, 0.03)  # left free on the device: the larger of 1 GiB and 3% (CUDA workspaces, fragmentation)
 HOST_MARGIN = 2 << 30  # left free on the host for everything else
+#: the enable_tiling options plan_memory models (not yet: projections=True, whose LoRA copies add per-token terms)
+PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib")
 _LONGEST = 1 << 26  # local tokens: the longest length searched
 _GRAIN = 1024  # longest lengths are multiples of this many local tokens
 
@@ -123,7 +126,7 @@ def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
             host_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
     """``(device, host)`` bytes a step may take: those given, else what this process may use now, minus margins:
     the device's free memory plus what this process's allocator holds (None on a CPU: its memory is the host's), the
-    host's available memory (control-group aware)."""
+    host's available memory (control-group aware) plus the offload buffers this process already holds."""
     device = _device_of(model)
     gpu = int(gpu_mib * 2**20) if gpu_mib is not None else None
     if gpu is None and device.type == "cuda":
@@ -132,7 +135,8 @@ def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
     host = int(host_mib * 2**20) if host_mib is not None else None
     if host is None:
         available = available_host_bytes()
-        host = None if available is None else max(available - HOST_MARGIN, 0)
+        # the buffers this process already pinned for offload serve the next steps too
+        host = None if available is None else max(available - HOST_MARGIN, 0) + pinned_bytes(device)
     return gpu, host
 
 
@@ -180,6 +184,10 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     if batch_size < 1 or sequence_parallel < 1 or seq_len * batch_size % sequence_parallel:
         raise ValueError(f"batch_size ({batch_size}) and sequence_parallel ({sequence_parallel}) must be positive, "
                          "and the batch's tokens must split evenly over the sequence-parallel ranks")
+    unknown = sorted(set(options) - set(PLANNED_OPTIONS))
+    if unknown:
+        raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
+                        f"{list(PLANNED_OPTIONS)}")
     shape = model_shape(model)
     if not shape.checkpointed:
         raise ValueError(f"plan_memory models a decoder with checkpointed layers, and no module of "

@@ -96,3 +96,18 @@ def test_refusals_name_the_fix():
         tiledmlp.plan_memory(torch.nn.Linear(2, 2), 128)
     with pytest.raises(ValueError, match="seq_len"):
         tiledmlp.plan_memory(meta_model("1b", 1), 0)
+    with pytest.raises(TypeError, match="options that change its terms"):
+        tiledmlp.plan_memory(meta_model("1b", 1), 1024, tile_tokens=512)
+
+
+def test_default_host_budget_counts_the_buffers_already_pinned(monkeypatch):
+    """After a step, the offloader's pool is host memory the next steps reuse: not taken from their budget."""
+    from tiledmlp.offload import checkpointing
+    from tiledmlp.plan import plans
+
+    monkeypatch.setattr(plans, "available_host_bytes", lambda: 10 << 30)
+    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
+    model = meta_model("1b", 1)
+    assert plans.budgets(model)[1] == (10 << 30) - plans.HOST_MARGIN
+    checkpointing.offloader_for(torch.device("meta")).stats["host_bytes"] = 3 << 30
+    assert plans.budgets(model)[1] == (13 << 30) - plans.HOST_MARGIN
