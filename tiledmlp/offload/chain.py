@@ -38,17 +38,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch.profiler import record_function
 
+from .storage import fresh_alias, tensors_in
+
 __all__ = ["LayerCall", "recompute_run", "rng_state"]
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _weak(value: Any) -> Callable[[], Any]:
@@ -83,7 +75,7 @@ class LayerCall:
     @staticmethod
     def record(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], output: Any,
                rng: tuple[torch.Tensor, Optional[torch.Tensor]], present: Callable[[], None]) -> "LayerCall":
-        first = next(iter(_tensors(output)), None)
+        first = next(iter(tensors_in(output)), None)
         device_type = first.device.type if first is not None else "cpu"
         autocast = ((device_type, torch.get_autocast_dtype(device_type))
                     if torch.is_autocast_enabled(device_type) else None)
@@ -106,11 +98,11 @@ class LayerCall:
         function = _strong(self.function, "function")
         args = [_strong(a, "input") for a in self.args]
         kwargs = {k: _strong(v, f"argument {k!r}") for k, v in self.kwargs.items()}
-        device = next((t.device for t in _tensors(args) if t.device.type != "cpu"), None)
+        device = next((t.device for t in tensors_in(args) if t.device.type != "cpu"), None)
         with _rng_as(self.rng, device), _autocast_as(self.autocast), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), _unsharded(function):
             out = function(*args, **kwargs)
-        return _tensors(out)[0].detach()
+        return tensors_in(out)[0].detach()
 
 
 @contextlib.contextmanager
@@ -175,12 +167,8 @@ class _Rebuilt:
             return
         with record_function("tiledmlp::recompute_input"):
             value = self.previous.forward_again()
-            t = self.tensor
-            t.untyped_storage().resize_(self.nbytes)
-            # Through a fresh alias: the checkpoint saved the input with its version counter (see host.py).
-            alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                                       t.shape, t.stride())
-            alias.copy_(value)
+            self.tensor.untyped_storage().resize_(self.nbytes)
+            fresh_alias(self.tensor).copy_(value)
         self.stats["rebuilt"] += 1
         self.done = True
         self.tensor = None  # the checkpoint frees it after the layer's backward, as without a chain
@@ -200,8 +188,8 @@ def recompute_run(checkpoint_fn: Callable[..., Any], function: Callable[..., Any
     clone = args[position] = args[position].clone()  # a tensor only the checkpoint holds
     out = checkpoint_fn(function, *args, **kwargs)
     rebuilt = _Rebuilt(clone, previous, stats)
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    if not outs or any(t.untyped_storage().data_ptr() == clone.untyped_storage().data_ptr() for t in _tensors(out)):
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    if not outs or any(t.untyped_storage().data_ptr() == clone.untyped_storage().data_ptr() for t in tensors_in(out)):
         return out, tuple(args), lambda: None  # nothing will recompute it, or an output aliases it: keep it
     clone.untyped_storage().resize_(0)
     stats["freed"] += 1

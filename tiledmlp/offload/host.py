@@ -64,6 +64,7 @@ from torch.profiler import record_function
 
 from ..core.logs import warn_once
 from .host_memory import available_host_bytes
+from .storage import fresh_alias, tensors_in
 
 __all__ = ["HostOffload", "MIN_BYTES"]
 
@@ -96,7 +97,7 @@ class _Region:
             t.untyped_storage().resize_(n)  # allocated on the current (compute) stream
         # Written through fresh aliases: the checkpoint saved the inputs with their version counters,
         # which a copy into the tensors themselves would bump (and the recompute would refuse).
-        pairs = [(_alias(t), h.view(t.dtype).view(t.shape)) for t, h in zip(self.tensors, self.hosts)]
+        pairs = [(fresh_alias(t), h.view(t.dtype).view(t.shape)) for t, h in zip(self.tensors, self.hosts)]
         if owner.stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -275,8 +276,8 @@ class HostOffload:
                 args[i] = c
             region = self._send(clones)
         out = checkpoint_fn(fn, *args, **kwargs)
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        storages = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        outs = [t for t in tensors_in(out) if t.requires_grad]
+        storages = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
         region.keep({k for k, c in enumerate(clones) if c.untyped_storage().data_ptr() in storages})
         with record_function("tiledmlp::offload_free"):
             for c in region.tensors:
@@ -352,21 +353,5 @@ def _prefetch_previous(region: _Region) -> None:
         ahead.restore()
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s storage and layout with a version counter of its own."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                               t.shape, t.stride())
-
-
 def _is_subclass(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
