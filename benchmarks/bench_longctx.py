@@ -18,6 +18,8 @@ Variants (the same model object, re-configured between them):
                   (``tiledmlp.recognize.norms``), which takes most of a layer's recompute peak away.
 * ``loss+norms+offload+attn``  and ``attention=True``: the attention core's backward in groups of KV heads
                   (``tiledmlp.attention``), the largest item left at the peak.
+* ``loss+norms+auto+attn``  the same with ``offload="auto"``: the memory plan places each layer input (device,
+                  host or recomputed) within ``--gpu-mib`` / ``--host-mib`` (default: what the process may use).
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -25,7 +27,8 @@ Variants (the same model object, re-configured between them):
 
 Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included; ``predicted_gib`` is
 ``tiledmlp.plan_memory``'s device peak for the variant (tiled variants), ``host_gib`` the layer inputs one step
-offloaded to host memory, ``predicted_host_gib`` the plan's host peak. Up to
+offloaded to host memory, ``predicted_host_gib`` the plan's host peak, ``host_rss_gib`` the process's peak resident
+host memory over the variant (pinned buffers included; Linux), ``placement`` where the plan put the layer inputs. Up to
 ``--multi-step-max`` tokens a variant takes ``--steps`` steps after one untimed step (median time); beyond,
 one step, timed (a 512K-token step takes minutes).
 
@@ -62,10 +65,10 @@ from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_vers
                        print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
-            "liger", "mlp+liger")
+            "loss+norms+auto+attn", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
-COLUMNS = ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s", "tokens_per_s",
-           "steps", "loss", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
+COLUMNS = ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
+           "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -89,14 +92,18 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
     return model
 
 
-def configure(model: nn.Module, variant: str) -> None:
-    """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``,
+def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None,
+              host_mib: Optional[float] = None) -> None:
+    """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``
+    (every layer input on the host) or ``auto`` (placed by the memory plan within ``gpu_mib`` / ``host_mib``),
     ``proj`` (LoRA-adapted projections), ``attn`` (the attention core's backward in KV-head groups)."""
     tiledmlp.disable_tiling(model)
     parts = set(variant.split("+"))
     if parts & {"mlp", "loss"}:
+        offload = "cpu" if "offload" in parts else "auto" if "auto" in parts else None
+        budgets = {"gpu_mib": gpu_mib, "host_mib": host_mib} if offload == "auto" else {}
         tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
-                               attention="attn" in parts, offload="cpu" if "offload" in parts else None)
+                               attention="attn" in parts, offload=offload, **budgets)
 
 
 def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:
@@ -114,6 +121,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_host_peak() -> None:
+    """Start the process's peak resident memory (``VmHWM``) afresh (Linux; elsewhere nothing)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def host_peak_gib() -> float:
+    """The process's peak resident memory since :func:`reset_host_peak` (GiB; NaN where ``/proc`` does not say)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return math.nan
+    return next((int(line.split()[1]) / 2**20 for line in status.splitlines() if line.startswith("VmHWM:")), math.nan)
+
+
 def free(model: nn.Module, device: torch.device) -> None:
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -122,11 +146,13 @@ def free(model: nn.Module, device: torch.device) -> None:
 
 
 def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch.device) -> dict[str, Any]:
-    configure(model, variant)
+    gpu_mib, host_mib = getattr(args, "gpu_mib", None), getattr(args, "host_mib", None)
+    configure(model, variant, gpu_mib, host_mib)
     gen = torch.Generator(device=device).manual_seed(tokens)
     ids = torch.randint(model.config.vocab_size, (1, tokens), generator=gen, device=device)
     steps = args.steps if tokens <= args.multi_step_max else 1
     free(model, device)
+    reset_host_peak()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, loss = [], math.nan
@@ -146,22 +172,25 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     step_s = statistics.median(times)
     offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (steps + (steps > 1))
     return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
-            "host_gib": offloaded / 2**30, **predicted(model, variant, tokens)}
+            "host_gib": offloaded / 2**30, "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib,
+            **predicted(model, variant, tokens)}
 
 
-def predicted(model: nn.Module, variant: str, tokens: int) -> dict[str, float]:
-    """The memory plan's device and host peaks (GiB) for a tiled variant, as configured (NaN for the others: the plan
-    models tiled MLPs)."""
+def predicted(model: nn.Module, variant: str, tokens: int) -> dict[str, Any]:
+    """The memory plan's device and host peaks (GiB) and placement for a tiled variant, as configured (its budgets
+    under ``offload="auto"``, else none); NaN for the others (the plan models tiled MLPs)."""
     if variant in LIGER or not set(variant.split("+")) & {"mlp", "loss"}:
-        return {"predicted_gib": math.nan, "predicted_host_gib": math.nan}
-    plan = tiledmlp.plan_memory(model, tokens, gpu_mib=1 << 30, host_mib=1 << 30)
-    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "predicted_host_gib": plan.host_peak_bytes / 2**30}
+        return {"predicted_gib": math.nan, "predicted_host_gib": math.nan, "placement": ""}
+    unbounded = {} if "auto" in variant.split("+") else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}
+    plan = tiledmlp.plan_memory(model, tokens, **unbounded)
+    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "predicted_host_gib": plan.host_peak_bytes / 2**30,
+            "placement": plan.placed()}
 
 
 def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
     row = run_or_status(lambda: run_variant(model, variant, tokens, args, device), lambda: free(model, device),
-                        ("peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s", "tokens_per_s",
-                         "steps", "loss"))
+                        ("peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
+                         "step_s", "tokens_per_s", "steps", "loss"))
     return {**row, "steps": 0} if isinstance(row["step_s"], str) else row
 
 
@@ -188,6 +217,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--model", choices=sorted(MODELS), default="1b", help="model shape (default 1b)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    parser.add_argument("--gpu-mib", type=float, default=None,
+                        help="the device budget of the auto variant (default: what the process may use)")
+    parser.add_argument("--host-mib", type=float, default=None,
+                        help="the host budget of the auto variant (default: what the process may use)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
     args = parser.parse_args(argv)
     if args.seq_lens is None:
@@ -216,8 +249,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             row = {"variant": variant, "T": tokens, **run_or_record(model, variant, tokens, args, device)}
             rows.append(row)
             print(f"  T={tokens:>7} {variant:<12} peak_gib={fmt(row['peak_gib'])} (plan {fmt(row['predicted_gib'])}) "
-                  f"host_gib={fmt(row['host_gib'])} (plan {fmt(row['predicted_host_gib'])}) "
-                  f"step_s={fmt(row['step_s'])} "
+                  f"host_gib={fmt(row['host_gib'])} (plan {fmt(row['predicted_host_gib'])}, rss "
+                  f"{fmt(row['host_rss_gib'])}) {row['placement']} step_s={fmt(row['step_s'])} "
                   f"tokens_per_s={fmt(row['tokens_per_s'])} loss={fmt(row['loss'])}", flush=True)
     meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
             **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
@@ -230,8 +263,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
-    print_rows(rows, ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "step_s",
-                      "tokens_per_s", "loss"))
+    print_rows(rows, ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib",
+                      "step_s", "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows
 

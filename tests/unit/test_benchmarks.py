@@ -51,7 +51,8 @@ def test_bench_longctx_smoke(tmp_path):
     rows = _csv(tmp_path / "bench_longctx_cpu_smoke.csv")
     assert (tmp_path / "bench_longctx_cpu_smoke.png").stat().st_size > 0
     assert {r["variant"] for r in rows} == {"untiled", "mlp", "loss", "loss+offload", "loss+norms",
-                                             "loss+norms+offload", "loss+norms+offload+attn"}
+                                             "loss+norms+offload", "loss+norms+offload+attn", "loss+norms+auto+attn"}
+    assert all(float(r["host_rss_gib"]) > 0 for r in rows)
     for tokens in {r["T"] for r in rows}:
         losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
         assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses  # same model, same loss

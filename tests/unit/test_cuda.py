@@ -393,6 +393,8 @@ def test_the_memory_plan_meets_the_measured_peaks(size, layers, lengths):
     args = argparse.Namespace(steps=1, multi_step_max=0)
     for tokens in lengths:
         row = bench_longctx.run_variant(model, "loss+norms+offload+attn", tokens, args, device)
+        print(f"{size} {layers} layers {tokens}: device {row['peak_gib']:.2f} GiB (plan {row['predicted_gib']:.2f}), "
+              f"host {row['host_gib']:.2f} GiB (plan {row['predicted_host_gib']:.2f}, rss {row['host_rss_gib']:.2f})")
         assert abs(row["predicted_gib"] / row["peak_gib"] - 1) <= 0.05, (size, tokens, row)
         assert abs(row["predicted_host_gib"] / row["host_gib"] - 1) <= 0.05, (size, tokens, row)
     del model
