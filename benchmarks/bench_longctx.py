@@ -19,7 +19,8 @@ Variants (the same model object, re-configured between them):
 * ``loss+norms+offload+attn``  and ``attention=True``: the attention core's backward in groups of KV heads
                   (``tiledmlp.attention``), the largest item left at the peak.
 * ``loss+norms+auto+attn``  the same with ``offload="auto"``: the memory plan places each layer input (device,
-                  host or recomputed) within ``--gpu-mib`` / ``--host-mib`` (default: what the process may use).
+                  host or recomputed) within ``--gpu-mib`` / ``--host-mib`` (default: what the process may use) and
+                  keeps attention outputs for the recompute with what the device has left.
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -30,7 +31,7 @@ Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradie
 offloaded to host memory, ``predicted_host_gib`` the plan's host peak, ``host_rss_gib`` the process's peak resident
 host memory over the variant (pinned buffers included; Linux), ``placement`` where the plan put the layer inputs. Up to
 ``--multi-step-max`` tokens a variant takes ``--steps`` steps after one untimed step (median time); beyond,
-one step, timed (a 512K-token step takes minutes).
+one step, timed (a 512K-token step takes minutes); ``--warmup-steps`` untimed steps go first.
 
     python3 benchmarks/bench_longctx.py                                   # 16K..128K, every variant
     python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432  # does 768K fit?
@@ -157,20 +158,22 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
         torch.cuda.reset_peak_memory_stats(device)
     times, loss = [], math.nan
     offloaded_before = offloader_for(device).stats["offloaded_bytes"]
-    for i in range(steps + (1 if steps > 1 else 0)):  # an untimed first step when several are timed
+    warmup = getattr(args, "warmup_steps", None)
+    warmup = (1 if steps > 1 else 0) if warmup is None else warmup
+    for i in range(warmup + steps):  # untimed first steps (default: one when several are timed)
         model.zero_grad(set_to_none=True)
         sync(device)
         begin = time.perf_counter()
         value = loss_of(model, variant, ids)
         value.backward()
         sync(device)
-        if steps == 1 or i > 0:
+        if i >= warmup:
             times.append(time.perf_counter() - begin)
         loss = float(value)
         del value
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     step_s = statistics.median(times)
-    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (steps + (steps > 1))
+    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (warmup + steps)
     return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
             "host_gib": offloaded / 2**30, "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib,
             **predicted(model, variant, tokens)}
@@ -213,6 +216,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seq-lens", default=None, help="comma-separated (default 16384,32768,65536,131072)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant up to --multi-step-max")
     parser.add_argument("--multi-step-max", type=int, default=131072)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="untimed steps before the timed ones (default: one where several are timed, else none)")
     parser.add_argument("--tag", default="", help="suffix of the output files (e.g. a single large-T run)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--model", choices=sorted(MODELS), default="1b", help="model shape (default 1b)")

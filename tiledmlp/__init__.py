@@ -84,7 +84,7 @@ __all__ = [
     "auto_num_shards",
     "STRATEGY_NAMES",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 #: Module paths of tiledmlp 0.1.0, before the subpackages: each still imports, as the module that now holds its
 #: code (README, "Layout"). The old modules whose names are now packages (``loss``, ``attention``, ``offload``,

@@ -8,6 +8,8 @@ of their own) and FSDP1; and a checkpointed Llama with its layer inputs offloade
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable
 
 import tiledmlp
@@ -221,8 +223,8 @@ def uncached_llama() -> nn.Module:
     return model
 
 
-def checkpointed_llama() -> nn.Module:
-    model = llama()
+def checkpointed_llama(attn_implementation: str = "eager") -> nn.Module:
+    model = LlamaForCausalLM(LlamaConfig(intermediate_size=88, **dict(_SHAPE, attn_implementation=attn_implementation)))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -242,18 +244,21 @@ def _offload_case(env: Env, wrap: Callable[[nn.Module], nn.Module], build: Calla
 
 
 class _Fixed:
-    """A placement of the checkpointed layers' inputs decided in advance (what the memory plan would return)."""
+    """A placement of the checkpointed layers' inputs decided in advance (what the memory plan would return), and what
+    each layer keeps for its recompute."""
 
-    def __init__(self, places: tuple[str, ...]) -> None:
-        self.places = places
+    def __init__(self, places: tuple[str, ...], keeps: tuple[frozenset[str], ...]) -> None:
+        self.places, self.keeps = places, keeps
 
-    def __call__(self, nbytes: int) -> tuple[str, ...]:
-        return self.places
+    def __call__(self, nbytes: int) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+        return self.places, self.keeps
 
 
-def _chain_case(env: Env, wrap: Callable[[nn.Module], nn.Module], **options: Any) -> dict[str, Any]:
+def _chain_case(env: Env, wrap: Callable[[nn.Module], nn.Module], keeps: tuple[frozenset[str], ...] = (frozenset(),) * 2,
+                build: Callable[[], nn.Module] = checkpointed_llama, **options: Any) -> dict[str, Any]:
     """``offload="auto"`` with layer 0's input on the host and layer 1's recomputed from it in backward (a recompute
-    chain), against the untiled checkpointed Llama; reports the inputs freed and rebuilt."""
+    chain), each layer keeping ``keeps`` for its recompute, against the untiled checkpointed Llama; reports the inputs
+    freed and rebuilt, and the attention outputs kept and reused."""
     from tiledmlp.offload import checkpointing, host
 
     host.MIN_BYTES = 0
@@ -263,11 +268,16 @@ def _chain_case(env: Env, wrap: Callable[[nn.Module], nn.Module], **options: Any
     def tile(model: nn.Module) -> None:
         tiledmlp.enable_tiling(model, tile_tokens=16, offload="auto", **options)
         placement = checkpointing.layer_placement(model)
-        placement.decide = _Fixed(("host", "recompute"))
+        placement.decide = _Fixed(("host", "recompute"), keeps)
         placements.append(placement)
+        tiled.append(model)
 
-    metrics = untiled_vs_tiled(_recipe(env, checkpointed_llama, wrap, tile=tile), env)
-    metrics.update(freed=placements[-1].stats["freed"], rebuilt=placements[-1].stats["rebuilt"])
+    tiled: list[nn.Module] = []
+    metrics = untiled_vs_tiled(_recipe(env, build, wrap, tile=tile), env)
+    modes = [m.__dict__["_tiledmlp_attention_mode"] for m in tiled[-1].modules()
+             if "_tiledmlp_attention_mode" in m.__dict__]
+    metrics.update(freed=placements[-1].stats["freed"], rebuilt=placements[-1].stats["rebuilt"],
+                   kept=sum(m.kept for m in modes), reused=sum(m.reused for m in modes))
     return metrics
 
 
@@ -278,7 +288,11 @@ def hf_llama_ddp_offload_chain(env: Env) -> dict[str, Any]:
 
 @case
 def hf_llama_fsdp2_offload_chain(env: Env) -> dict[str, Any]:
-    return _chain_case(env, fsdp2(env, LlamaDecoderLayer), loss=True, norms=True)
+    """With the attention output of both layers kept for their recompute (``attention=True``, a scratch budget small
+    enough to group the tiny model's calls; on CPU: a GPU's float32 leaves the call untouched, nothing kept)."""
+    return _chain_case(env, fsdp2(env, LlamaDecoderLayer), keeps=(frozenset({"attention"}),) * 2,
+                       build=functools.partial(checkpointed_llama, "sdpa"), loss=True, norms=True, attention=True,
+                       scratch_mib=0.01)
 
 
 @case

@@ -391,12 +391,44 @@ def test_the_memory_plan_meets_the_measured_peaks(size, layers, lengths):
     model = bench_longctx.build_model(dict(bench_longctx.MODELS[size], layers=layers), max(lengths), device,
                                       torch.bfloat16)
     args = argparse.Namespace(steps=1, multi_step_max=0)
-    for tokens in lengths:
-        row = bench_longctx.run_variant(model, "loss+norms+offload+attn", tokens, args, device)
-        print(f"{size} {layers} layers {tokens}: device {row['peak_gib']:.2f} GiB (plan {row['predicted_gib']:.2f}), "
-              f"host {row['host_gib']:.2f} GiB (plan {row['predicted_host_gib']:.2f}, rss {row['host_rss_gib']:.2f})")
+    rows = [bench_longctx.run_variant(model, "loss+norms+offload+attn", tokens, args, device) for tokens in lengths]
+    for tokens, row in zip(lengths, rows):
+        print(f"{size} {layers} layers {tokens}: device {row['peak_gib']:.3f} GiB (plan {row['predicted_gib']:.3f}), "
+              f"host {row['host_gib']:.3f} GiB (plan {row['predicted_host_gib']:.3f}, rss {row['host_rss_gib']:.2f})")
+    for tokens, row in zip(lengths, rows):
         assert abs(row["predicted_gib"] / row["peak_gib"] - 1) <= 0.05, (size, tokens, row)
         assert abs(row["predicted_host_gib"] / row["host_gib"] - 1) <= 0.05, (size, tokens, row)
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_kept_attention_outputs_train_bit_for_bit_on_a_gpu():
+    """``offload="auto"`` with room to spare: every layer input stays and every layer's attention output (SDPA's own
+    cuDNN or flash kernel, bf16) is kept from its forward for its recompute. Losses and gradients over 2 steps are
+    bitwise those of plain checkpointing; the recompute ran no attention forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).cuda().bfloat16().train()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    options = dict(attention=True, norms=True, scratch_mib=1)  # groups from 2K tokens
+    plain = tiledmlp.enable_tiling(copy.deepcopy(base), **options)
+    kept = tiledmlp.enable_tiling(copy.deepcopy(base), offload="auto", **options)
+    ids = torch.randint(512, (1, 4096), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    for model in (plain, kept):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.results = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (loss, grads), (loss_ref, grads_ref) in zip(kept.results, plain.results):
+        assert torch.equal(loss, loss_ref) and all(torch.equal(g, r) for g, r in zip(grads, grads_ref))
+    modes = [m.__dict__["_tiledmlp_attention_mode"] for m in kept.modules() if "_tiledmlp_attention_mode" in m.__dict__]
+    assert [(m.kept, m.reused) for m in modes] == [(2, 2)] * 3

@@ -187,3 +187,50 @@ def train_side_by_side(tiled: nn.Module, ref: nn.Module, steps: int = 3, tol: fl
             opt.zero_grad()
     moved = [rel_err(p, q) for (n, p), q in zip(tiled.named_parameters(), ref.parameters()) if q.requires_grad]
     assert moved and max(moved) <= 2 * tol
+
+
+def checkpointed_llama(layers: int = 4, dropout: float = 0.0, attn_implementation: str = "sdpa") -> nn.Module:
+    """A tiny Llama (64 wide, 4/2 heads) with non-reentrant checkpointing per layer, in training mode."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout,
+                         attn_implementation=attn_implementation)
+    model = tf.LlamaForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def train_exactly(model: nn.Module, steps: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``steps`` SGD steps of a causal LM on fixed batches of 2 x 40 tokens (the RNG seeded per step: dropout draws
+    the same masks in every run): each step's loss and gradients, for :func:`assert_identical`."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(128, (2, 40), generator=torch.Generator().manual_seed(seed))
+    out = []
+    for k in range(steps):
+        torch.manual_seed(100 + k)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_identical(got, ref) -> None:
+    """Two :func:`train_exactly` runs are bit for bit the same."""
+    for (loss, grads), (loss_ref, grads_ref) in zip(got, ref, strict=True):
+        assert torch.equal(loss, loss_ref)
+        assert all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref), \
+            [n for n in grads_ref if not torch.equal(grads[n], grads_ref[n])]
+
+
+class FixedPlacement:
+    """An ``offload="auto"`` placement decided in advance (what ``AutoPlacement`` would return), counting its calls:
+    each layer's input place and what it keeps for its recompute (``keeps``: each layer's kinds, default none)."""
+
+    def __init__(self, places: tuple[str, ...], keeps: tuple[frozenset[str], ...] = ()) -> None:
+        self.places, self.keeps, self.calls = places, keeps or (frozenset(),) * len(places), 0
+
+    def __call__(self, nbytes: int) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+        self.calls += 1
+        return self.places, self.keeps

@@ -23,19 +23,33 @@ and one copy of each gradient into place (measured on an H100 at 128K tokens, 32
 for forward and backward, 44.1 -> 17.5 KiB per token of backward scratch and gradients). The number of groups
 is the fewest whose scratch fits the shard policy's ``scratch_mib`` (:func:`kv_heads_per_call`): one group — the
 untouched SDPA call — up to 8K tokens for the 8B shape, eight from 64K. Communication: none (no parameters).
+
+Design note — the forward's output kept for the recompute
+---------------------------------------------------------
+Under activation checkpointing a layer's recompute runs the attention core's forward a second time, to rebuild the
+output and log-sum-exp its backward needs: about 15% of a long step (Llama-3.1-8B, 128K tokens), quadratic in
+the tokens. Where the memory plan has room (``offload="auto"``), the layer's checkpoint runs in a
+:class:`~tiledmlp.core.regions.CheckpointRegion` that keeps ``"attention"``: the forward puts its output (a
+detached alias), log-sum-exp and the kernel's other outputs there, and the recompute takes them instead of
+running the kernel — the very tensors, so values and gradients are bit-identical. A kept output that was changed
+in place since (its version counter moved), or that does not match the recomputed call (shapes, dtype, kernel),
+is not used: the kernel runs, said once. Memory: the output and the float32 log-sum-exp, ``q_heads x (head_dim x
+itemsize + 4)`` bytes per token (8.1 KiB for the 8B shape), from the layer's forward to its backward.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.profiler import record_function
 
+from ..core.logs import warn_once
+from ..core.regions import ATTENTION, CheckpointRegion
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 
-__all__ = ["grouped_attention", "kv_heads_per_call", "attention_scratch_per_token", "sdpa_kernel_name",
-           "backend_name", "KERNELS"]
+__all__ = ["grouped_attention", "kv_heads_per_call", "attention_scratch_per_token", "kept_bytes_per_token",
+           "kept_for", "sdpa_kernel_name", "backend_name", "KERNELS", "KEPT", "KeptForward"]
 
 aten = torch.ops.aten
 
@@ -46,6 +60,11 @@ def attention_scratch_per_token(q_heads: int, head_dim: int, grouped: bool, item
     to every query head."""
     per_head = head_dim * (4 + itemsize + (2 * itemsize if grouped else 0))
     return q_heads * per_head
+
+
+def kept_bytes_per_token(q_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes per query token of a kept forward (design note): the output and the float32 log-sum-exp."""
+    return q_heads * (head_dim * itemsize + 4)
 
 
 def kv_heads_per_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int,
@@ -110,15 +129,44 @@ def _kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.
                                                              0.0, is_causal, seed, offset, scale=scale)
 
 
+#: the kind of value a checkpoint region keeps for this module (``tiledmlp.core.regions``)
+KEPT = ATTENTION
+
+
+class KeptForward(NamedTuple):
+    """What a forward kept for its recompute (design note): the kernel's outputs, and what they were computed
+    for."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    extra: tuple
+    version: int  # the output's version counter when kept
+    call: tuple  # (q, k shapes, dtype, device, is_causal, scale, kernel)
+
+    def serves(self, call: tuple) -> bool:
+        return self.call == call and self.out._version == self.version
+
+
+def _call_key(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: Optional[float], kernel: str) -> tuple:
+    return (q.shape, k.shape, q.dtype, q.device, is_causal, scale, kernel)
+
+
 class _GroupedAttention(torch.autograd.Function):
-    """Forward: SDPA's kernel once for all heads. Backward: the kernel's backward per group of
-    ``kv_per_call`` KV heads (and their query heads), each group's gradients copied into place."""
+    """Forward: SDPA's kernel once for all heads (or the output ``kept`` from the forward this call recomputes).
+    Backward: the kernel's backward per group of ``kv_per_call`` KV heads (and their query heads), each group's
+    gradients copied into place. ``keep``: where the forward puts what it computed, for its recompute."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
-                kv_per_call: int, kernel: str) -> torch.Tensor:
-        with record_function("tiledmlp::attention_forward"):
-            out, lse, extra = _kernel_forward(kernel, q, k, v, is_causal, scale)
+                kv_per_call: int, kernel: str, kept: Optional[KeptForward],
+                keep: Optional[Callable[[KeptForward], None]]) -> torch.Tensor:
+        if kept is not None:
+            out, lse, extra = kept.out, kept.lse, kept.extra
+        else:
+            with record_function("tiledmlp::attention_forward"):
+                out, lse, extra = _kernel_forward(kernel, q, k, v, is_causal, scale)
+        if keep is not None:
+            keep(KeptForward(out.detach(), lse, extra, out._version, _call_key(q, k, is_causal, scale, kernel)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.extra, ctx.is_causal, ctx.scale, ctx.kv_per_call, ctx.kernel = extra, is_causal, scale, kv_per_call, kernel
         return out
@@ -139,18 +187,21 @@ class _GroupedAttention(torch.autograd.Function):
                 dk[:, ks].copy_(gk)
                 dv[:, ks].copy_(gv)
                 del gq, gk, gv
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                      scale: Optional[float] = None, kv_per_call: int = 1,
-                      kernel: Optional[str] = None) -> torch.Tensor:
+                      scale: Optional[float] = None, kv_per_call: int = 1, kernel: Optional[str] = None,
+                      kept: Optional[KeptForward] = None,
+                      keep: Optional[Callable[[KeptForward], None]] = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)`` with the
     backward run ``kv_per_call`` KV heads at a time (design note). ``q``: ``[batch, q_heads, tokens, head_dim]``;
     ``k``, ``v``: ``[batch, kv_heads, tokens, head_dim]``, ``kv_heads`` dividing ``q_heads`` and divisible by
     ``kv_per_call``. No mask, no dropout; on a GPU 16-bit inputs. ``kernel``: one of :data:`KERNELS` (default:
-    :func:`sdpa_kernel_name`, what SDPA itself would run). Memory: what SDPA saves, and one group's backward
-    scratch instead of all heads'. Communication: none."""
+    :func:`sdpa_kernel_name`, what SDPA itself would run). ``keep``: called with what the forward computed, to keep it
+    for the recompute; ``kept``: what the forward this call recomputes kept (:func:`kept_for`), used instead of
+    running the kernel (design note "the forward's output kept"). Memory: what SDPA saves, and one group's backward
+    scratch instead of all heads'; what is kept lives where ``keep`` puts it. Communication: none."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or k.shape[1] % kv_per_call:
         raise ValueError(f"grouped_attention takes q [batch, heads, tokens, dim] and k, v [batch, kv_heads, tokens, "
                          f"dim] with kv_heads dividing heads and kv_per_call dividing kv_heads; got q "
@@ -159,4 +210,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
     if kernel not in KERNELS:
         raise ValueError(f"grouped_attention runs one of SDPA's kernels {list(KERNELS)}, got {kernel!r} (torch picks "
                          "another one for these inputs: call F.scaled_dot_product_attention)")
-    return _GroupedAttention.apply(q, k, v, is_causal, scale, kv_per_call, kernel)
+    return _GroupedAttention.apply(q, k, v, is_causal, scale, kv_per_call, kernel, kept, keep)
+
+
+def kept_for(region: CheckpointRegion, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: Optional[float],
+             kernel: str) -> Optional[KeptForward]:
+    """In a recompute of ``region``: what its forward kept for this call, if it still serves it (design note); None
+    otherwise, said once when something was kept but cannot serve."""
+    kept = region.take(KEPT)
+    if kept is not None and not kept.serves(_call_key(q, k, is_causal, scale, kernel)):
+        warn_once(("kept attention unused",), "attention: a recompute did not reuse the attention output its "
+                  "forward kept (changed in place since, or computed for other inputs); the kernel ran again")
+        return None
+    return kept

@@ -36,6 +36,10 @@ runs the original call, untouched:
 * tensor subclasses (``DTensor``: torch's ``context_parallel`` ring computes that attention);
 * no gradient needed (evaluation, generation: nothing to save), or one group enough (short sequences).
 
+A grouped call inside a checkpointed layer that ``offload="auto"``'s plan lets keep its attention output
+(``tiledmlp.core.regions``) keeps it from the forward for the recompute, which then runs no attention forward
+(``grouped.py``, design note "the forward's output kept"); counted per layer in :func:`describe`.
+
 Each reason is logged once and counted per layer in :func:`describe`, so a model that never reaches this path
 says why. A block that calls no SDPA (an ``"eager"`` attention of matmul and softmax) is reported as such. Under
 ``torch.compile`` the mode and the grouped function are traced like the rest of the layer.
@@ -56,7 +60,8 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 
 from ..core.logs import warn_once
-from .grouped import KERNELS, grouped_attention, kv_heads_per_call, sdpa_kernel_name
+from ..core.regions import current_region
+from .grouped import KEPT, KERNELS, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name
 
 __all__ = ["remember_norm_output", "GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
            "uninstall_attention", "attention_layers", "reduce_layer_method"]
@@ -170,6 +175,8 @@ class GroupedAttentionMode(TorchFunctionMode):
         self.whole = 0  # calls short enough for one group: the original call
         self.untouched: Counter[str] = Counter()  # reason -> calls left to the original
         self.of_norm = 0  # projections of a tiled norm's output that kept the norm's input instead
+        self.kept = 0  # grouped calls whose forward kept its output for the layer's recompute
+        self.reused = 0  # recomputes that reused a kept output instead of running the kernel
         self.entered = 0  # the block's calls with a gradient enabled (under this mode)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -209,7 +216,16 @@ class GroupedAttentionMode(TorchFunctionMode):
             return self._untouched(f"torch runs its {kernel} kernel for these inputs, which this path does not call",
                                    call)
         self.grouped += 1
-        return grouped_attention(query, key, value, is_causal, scale, per_call, kernel)
+        kept = keep = None
+        region = None if torch.compiler.is_compiling() else current_region()  # compiled layers keep nothing
+        if region is not None and KEPT in region.keeps:
+            if region.recomputing:
+                kept = kept_for(region, query, key, is_causal, scale, kernel)
+                self.reused += kept is not None
+            else:
+                keep = functools.partial(region.put, KEPT)
+                self.kept += 1
+        return grouped_attention(query, key, value, is_causal, scale, per_call, kernel, kept, keep)
 
     def _untouched(self, why: str, call: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The original call, counted under ``why`` and said once."""
@@ -231,6 +247,8 @@ class GroupedAttentionMode(TorchFunctionMode):
         if self.whole:
             parts.append(f"{self.whole} short enough for one group (untouched)")
         parts += [f"{n} untiled: {why}" for why, n in self.untouched.items()]
+        if self.kept:
+            parts.append(f"{self.kept} forward output(s) kept for the recompute, {self.reused} reused there")
         if self.of_norm:
             parts.append(f"{self.of_norm} projection(s) of the norm's output keeping the norm's input")
         return "; ".join(parts)

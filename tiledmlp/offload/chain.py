@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.profiler import record_function
 
+from ..core.regions import outside_regions
 from .storage import fresh_alias, tensors_in
 
 __all__ = ["LayerCall", "recompute_run", "rng_state"]
@@ -99,8 +100,10 @@ class LayerCall:
         args = [_strong(a, "input") for a in self.args]
         kwargs = {k: _strong(v, f"argument {k!r}") for k, v in self.kwargs.items()}
         device = next((t.device for t in tensors_in(args) if t.device.type != "cpu"), None)
+        # outside any checkpoint region: this extra forward neither keeps nor takes what a region keeps for its
+        # recompute (tiledmlp.core.regions)
         with _rng_as(self.rng, device), _autocast_as(self.autocast), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), _unsharded(function):
+                torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), _unsharded(function), outside_regions():
             out = function(*args, **kwargs)
         return tensors_in(out)[0].detach()
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..core.logs import warn_once
+from ..core.regions import KEEPABLE, CheckpointRegion
 from .chain import LayerCall, recompute_run, rng_state
 from .host import HostOffload
 
@@ -30,8 +31,16 @@ _HOOK_ATTR = "_tiledmlp_offload_hook"
 _OFFLOADERS: dict[torch.device, HostOffload] = {}
 
 
+def _one_device(device: torch.device) -> torch.device:
+    """``device`` with its index (``"cuda"`` is the current CUDA device): one offloader per device, however named."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffload:
     """The process's offloader for ``device`` (its host buffers are shared by every model on it)."""
+    device = _one_device(device)
     offloader = _OFFLOADERS.get(device)
     if offloader is None:
         offloader = _OFFLOADERS[device] = HostOffload(device)
@@ -41,7 +50,7 @@ def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffloa
 
 def pinned_bytes(device: torch.device) -> int:
     """Host bytes the process's offloader for ``device`` holds in its pool (reused by later steps; 0 if none)."""
-    offloader = _OFFLOADERS.get(device)
+    offloader = _OFFLOADERS.get(_one_device(device))
     return offloader.stats["host_bytes"] if offloader is not None else 0
 
 
@@ -84,17 +93,22 @@ PLACES = ("gpu", "host", "recompute")
 class LayerPlacement:
     """Where the checkpointed layers of one model keep their inputs between forward and backward, one of
     :data:`PLACES` per layer in forward order: ``"gpu"`` (kept, as plain checkpointing), ``"host"`` (``host.py``)
-    or ``"recompute"`` (``chain.py``). ``decide(nbytes)`` chooses them for a step whose layer input is ``nbytes``, at
-    the step's first layer (None, ``offload="cpu"``: every layer on the host; ``offload="auto"``: the memory plan,
-    which keeps its decisions). Executes a placement; never decides one."""
+    or ``"recompute"`` (``chain.py``); and what each layer's forward keeps for its recompute (kinds of
+    ``tiledmlp.core.regions.KEEPABLE``, run in a ``CheckpointRegion``). ``decide(nbytes)`` chooses both, ``(places, keeps)``, for a
+    step whose layer input is ``nbytes``, at the step's first layer (None, ``offload="cpu"``: every layer on the
+    host, nothing kept; ``offload="auto"``: the memory plan, which keeps its decisions). Executes a placement; never
+    decides one."""
 
-    def __init__(self, layers: int, decide: Optional[Callable[[int], Sequence[str]]] = None) -> None:
+    def __init__(self, layers: int,
+                 decide: Optional[Callable[[int], tuple[Sequence[str], Sequence[frozenset[str]]]]] = None) -> None:
         self.layers, self.decide = layers, decide
         self.places: tuple[str, ...] = ("host",) * layers
+        self.keeps: tuple[frozenset[str], ...] = (frozenset(),) * layers
         self.previous: Optional[LayerCall] = None  # the step's last layer call (for a chain); never pickled
         self.moved: dict[int, str] = {}  # layer index -> why it is offloaded instead of recomputed
-        # calls per place, and the inputs a chain freed and rebuilt (tests, describe)
-        self.stats = {"gpu": 0, "host": 0, "recompute": 0, "freed": 0, "rebuilt": 0}
+        # calls per place, the inputs a chain freed and rebuilt, the calls that kept something for their recompute
+        # (tests, describe)
+        self.stats = {"gpu": 0, "host": 0, "recompute": 0, "freed": 0, "rebuilt": 0, "kept": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "previous": None}
@@ -103,13 +117,18 @@ class LayerPlacement:
         if index == 0:
             self.previous = None  # a chain never reaches into another step
             if self.decide is not None:
-                places = tuple(self.decide(nbytes))
-                if len(places) != self.layers or set(places) - set(PLACES) or places[:1] == ("recompute",):
+                places, keeps = self.decide(nbytes)
+                places, keeps = tuple(places), tuple(frozenset(k) for k in keeps)
+                if (len(places) != self.layers or set(places) - set(PLACES) or places[:1] == ("recompute",)
+                        or len(keeps) != self.layers or set().union(*keeps) - set(KEEPABLE)):
                     raise ValueError(f"a placement gives each of the {self.layers} checkpointed layers one of "
-                                     f"{PLACES}, the first not 'recompute' (nothing below it to recompute from); got "
-                                     f"{places}")
-                self.places = places
+                                     f"{PLACES}, the first not 'recompute' (nothing below it to recompute from), and "
+                                     f"what it keeps for its recompute (of {KEEPABLE}); got {places}, {keeps}")
+                self.places, self.keeps = places, keeps
         return self.places[index] if index < len(self.places) else "host"
+
+    def keeps_of(self, index: int) -> frozenset[str]:
+        return self.keeps[index] if index < len(self.keeps) else frozenset()
 
     @property
     def chains(self) -> bool:
@@ -120,7 +139,8 @@ class OffloadingCheckpointFunc:
     """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``, ``CheckpointWrapper``'s
     ``checkpoint_fn``: ``functools.partial(checkpoint, use_reentrant=False, ...)``) with the layer's input kept
     where its model's :class:`LayerPlacement` says: on the device, on the host (``HostOffload.run_region``), or
-    nowhere (recomputed from the previous layer's, ``chain.recompute_run``)."""
+    nowhere (recomputed from the previous layer's, ``chain.recompute_run``); and the layer run in a
+    ``CheckpointRegion`` that keeps what the placement says for its recompute."""
 
     __slots__ = ("original", "index", "placement")
 
@@ -152,13 +172,17 @@ class OffloadingCheckpointFunc:
         placement.stats[place] += 1
         rng = rng_state(device) if placement.chains else None
         present: Callable[[], None] = _nothing
+        keeps = placement.keeps_of(self.index)
+        placement.stats["kept"] += bool(keeps)
+        # the checkpoint holds the region from the forward to the recompute (what it keeps lives as long)
+        run = CheckpointRegion(function, keeps) if keeps else function
         if place == "gpu":
-            out, given = self.original(function, *args, **kwargs), args
+            out, given = self.original(run, *args, **kwargs), args
         elif place == "host":
-            out, given, region = offloader.run_region(self.original, function, *args, **kwargs)
+            out, given, region = offloader.run_region(self.original, run, *args, **kwargs)
             present = region.present if region is not None else _nothing
         else:
-            out, given, present = recompute_run(self.original, function, args, kwargs, positions[0], previous,
+            out, given, present = recompute_run(self.original, run, args, kwargs, positions[0], previous,
                                                placement.stats)
         placement.previous = (LayerCall.record(function, given, kwargs, out, rng, present) if placement.chains
                               else None)

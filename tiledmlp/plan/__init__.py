@@ -1,13 +1,15 @@
 """Memory planning: a model of one training step's bytes per rank, on the device and the host, for a length and the
 options of ``enable_tiling``, built from the model's shapes and parameters without running it. ``shapes`` (what the
 model is to the planner), ``memory`` (the terms, where the peak is, placement of each checkpointed layer's input:
-kept, host or recomputed), ``plans`` (:func:`plan_memory`, the budgets, ``offload="auto"``'s placement).
+kept, host or recomputed, and which layers keep their attention output for the recompute), ``plans``
+(:func:`plan_memory`, the budgets, ``offload="auto"``'s placement).
 
-It decides; ``tiledmlp.offload`` executes the placement. Imports ``tiledmlp.offload``, ``tiledmlp.distributed``
-and ``tiledmlp.core``.
+It decides; ``tiledmlp.offload`` executes the placement (and ``tiledmlp.attention`` keeps the outputs). Imports
+``tiledmlp.offload``, ``tiledmlp.attention`` (the attention core's sizes), ``tiledmlp.distributed`` and
+``tiledmlp.core``.
 """
 
-from .memory import CALIBRATION, StepOptions
+from .memory import StepOptions
 from .plans import AutoPlacement, MemoryPlan, plan_memory
 
-__all__ = ["plan_memory", "MemoryPlan", "StepOptions", "AutoPlacement", "CALIBRATION"]
+__all__ = ["plan_memory", "MemoryPlan", "StepOptions", "AutoPlacement"]

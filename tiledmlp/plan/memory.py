@@ -18,10 +18,14 @@ one layer's backward, where that layer's recompute has rebuilt what its forward 
   layers are adjacent).
 
 The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
-host holds the offloaded inputs in pinned buffers. Terms the tables do not attribute (allocator rounding of large
-blocks, small buffers) are the ``calibration`` factor on the working set: the slope measured on an H100 over the
-slope modelled here (:data:`CALIBRATION`; the model met the measured peaks of 4 and 32 layers of the Llama-3.1-8B
-shape at 128K-768K tokens within 3%, ``tests/unit/plan/test_memory.py``).
+host holds the offloaded inputs in pinned buffers.
+
+Besides the per-token terms, the layer's backward holds the scratch of whichever tiled computation runs at its peak:
+with ``attention=True`` the larger of the shard policy's budget (``scratch_mib``: one MLP, norm or loss shard, or one
+call's KV-head groups) and, where even one KV-head group's backward scratch exceeds it (from about 100K tokens for the
+8B shape), that group's; without, the attention core's backward for all heads is the peak and is a per-token term.
+Measured on an H100 (``tests/unit/plan/test_memory.py`` reads every benchmark CSV of it): the Llama-3.1-8B and
+-3.2-1B shapes, 2 to 32 layers, 32K to 768K tokens, every placement, within 3%.
 
 Design note — placement
 -----------------------
@@ -30,6 +34,22 @@ Kept on the device is fastest, then the host (a copy each way, overlapped), then
 comes first, when fewest gradients exist), sends the rest to the host while the host budget lasts, and recomputes
 what is left, spread so that no two recomputed layers are adjacent while that is possible (a chain of ``k`` costs
 ``k (k + 1) / 2`` extra forwards). Layer 0 is never recomputed: nothing below it.
+
+Design note — free memory spent on speed
+----------------------------------------
+What the device budget has left once the inputs are placed buys time, in this order:
+
+1. the attention core's output and log-sum-exp kept from each layer's forward for its recompute (with
+   ``attention=True``, where its calls are grouped: ``tiledmlp.attention.grouped``, design note "the forward's
+   output kept"), the top layers first. It saves one attention forward per layer, about 15% of a long step and
+   quadratic in the tokens, for 8.1 KiB per token (8B shape);
+2. then inputs kept on the device instead of the host: each saves a copy each way, linear in the tokens and
+   overlapped with compute (measured 0-4% of a step at 128K-768K, ``docs/long-context.md``), for 8 KiB per token.
+
+So inputs go to the host to make room for kept attention outputs, but never to a recompute (a layer forward costs
+more than its attention forward): the number of recomputed layers stays the fewest that fit. A kept output lives
+as a kept input does, from its layer's forward to its backward, so it counts in every lower layer's backward and at
+the end of the forward.
 """
 
 from __future__ import annotations
@@ -37,13 +57,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
+from ..core.sharding import DEFAULT_SCRATCH_MIB
 from ..offload import host
 from .shapes import ModelShape
 
-__all__ = ["GPU", "HOST", "RECOMPUTE", "CALIBRATION", "StepOptions", "Term", "Peak", "step_peak", "arrange", "place",
-           "working_bytes_per_token"]
+__all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak",
+           "arrange", "place", "working_bytes_per_token", "scratch_bytes", "attention_kept_bytes", "Placed"]
 
 GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"
+Placed = tuple[tuple[str, ...], tuple[bool, ...]]  # each layer's input place, whether it keeps its attention output
 
 #: measured / modelled per-token slope of the step's peak (Llama-3.1-8B shape, bf16, one H100 80GB,
 #: ``benchmarks/results/bench_longctx_nvidia-h100-80gb-hbm3_8b_attn_*.csv``): with ``attention=True`` 65.2 KiB per
@@ -66,12 +89,13 @@ class StepOptions:
     offload: Optional[str] = None  # None (every input kept), "cpu" (every input on the host) or "auto"
     optimizer_bytes: int = 0  # the optimizer's states on this rank (offload="auto": whatever else is on the device)
     loss_scratch_bytes: int = 256 << 20
+    scratch_mib: Optional[float] = None  # the shard policy's scratch budget (the attention core's groups)
     gpu_mib: Optional[float] = None  # the budgets given to enable_tiling (None: what the process may use)
     host_mib: Optional[float] = None
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per token of one layer's backward at its peak, the layer input included (design note), calibrated."""
+    """Bytes per token of one layer's backward at its peak, the layer input included (design note)."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     core_saved = q * a + shape.heads * 4  # the attention core's output and its float32 log-sum-exp
     qkv = (q + 2 * kv) * a
@@ -86,7 +110,29 @@ def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
         modelled = core_backward + core_saved + qkv + 4 * h * a
     if not options.norms:
         modelled += UNTILED_NORMS_HIDDEN_VECTORS * h * a
-    return modelled * CALIBRATION[options.attention]
+    return modelled
+
+
+def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
+    """The scratch of the tiled computation at a layer's backward peak (design note): with ``attention=True`` the
+    larger of the shard budget and one call's KV-head groups' backward scratch; 0 without (a per-token term)."""
+    if not options.attention:
+        return 0
+    groups = shape.heads // shape.kv_heads
+    per_call = kv_heads_per_call(tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.act_itemsize,
+                                 options.scratch_mib)
+    attention = attention_scratch_per_token(per_call * groups, shape.head_dim, groups > 1, shape.act_itemsize)
+    return max(int((options.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20), attention * tokens)
+
+
+def attention_kept_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
+    """Bytes one layer's kept attention output takes for ``tokens`` local tokens; 0 where nothing can be kept (no
+    ``attention=True``, or calls short enough to run ungrouped, which keep nothing)."""
+    heads_per_call = kv_heads_per_call(tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.act_itemsize,
+                                       options.scratch_mib)
+    if not options.attention or heads_per_call == shape.kv_heads:
+        return 0
+    return tokens * kept_bytes_per_token(shape.heads, shape.head_dim, shape.act_itemsize)
 
 
 @dataclass(frozen=True)
@@ -109,14 +155,20 @@ class Peak:
     terms: tuple[Term, ...] = field(default_factory=tuple)
 
 
-def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str]) -> Peak:
-    """The peaks of a step over ``tokens`` local tokens with the checkpointed layers' inputs at ``places`` (design
-    note)."""
+def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str],
+              keeps: Optional[Sequence[bool]] = None) -> Peak:
+    """The peaks of a step over ``tokens`` local tokens with the checkpointed layers' inputs at ``places`` and
+    their attention outputs kept where ``keeps`` says (design notes)."""
     n, layer_grad_bytes = len(places), shape.layer_grad_bytes
+    keeps = keeps or (False,) * n
     kept = tokens * shape.layer_input_bytes_per_token  # one layer's input
-    working = int(tokens * working_bytes_per_token(shape, options))
+    attention = attention_kept_bytes(shape, options, tokens) if any(keeps) else 0  # one layer's kept output
+    per_token = working_bytes_per_token(shape, options)
+    scratch = scratch_bytes(shape, options, tokens)
+    working = int(tokens * per_token) + scratch
     fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes)]
-    candidates, on_gpu_below, grads_from_i, chain = [], 0, shape.grad_bytes - shape.embedding_grad_bytes, 0
+    candidates, on_gpu_below, keeps_below = [], 0, 0
+    grads_from_i, chain = shape.grad_bytes - shape.embedding_grad_bytes, 0
     for i in range(n):
         chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
@@ -124,10 +176,14 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
             Term("gradients", GPU, grads_from_i,
                  f"the head's and {layers}'s (the input embedding's comes after the layers)"),
             Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
-            Term("the layer's backward", GPU, working, f"{working / max(tokens, 1) / 1024:.1f} KiB per token"),
+            Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
+                 f"{keeps_below} layers below {i}"),
+            Term("the layer's backward", GPU, working,
+                 f"{per_token / 1024:.1f} KiB per token, {scratch / 2**20:.0f} MiB scratch"),
             Term("the inputs below, for the rebuild", GPU, chain * kept)]
         candidates.append((f"in layer {i}'s backward", terms))
         on_gpu_below += places[i] == GPU
+        keeps_below += bool(keeps[i])
         grads_from_i -= layer_grad_bytes[i]
     # tiled: a logits chunk within its budget, the head's float32 gradient, the hidden states' gradient; untiled: the
     # logits, their float32 copy and gradient
@@ -136,6 +192,7 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
                     else tokens * shape.vocab * (shape.act_itemsize + 8))
     candidates.append(("at the end of the forward", fixed + [
         Term("layer inputs kept on the device", GPU, sum(p == GPU for p in places) * kept),
+        Term("attention outputs kept for the recompute", GPU, sum(map(bool, keeps)) * attention),
         Term("the loss", GPU, loss_forward, "a logits chunk, the head's float32 gradient" if options.loss
              else "the logits, their float32 copy and gradient")]))
     moment, terms = max(candidates, key=lambda c: sum(t.nbytes for t in c[1]))
@@ -160,17 +217,19 @@ def arrange(n: int, on_gpu: int, recomputed: int) -> Optional[tuple[str, ...]]:
 
 
 def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int],
-          host_budget: Optional[int]) -> tuple[tuple[str, ...], Peak]:
+          host_budget: Optional[int], spend: bool = True) -> tuple[Placed, Peak]:
     """The placement of the inputs of the checkpointed layers for ``options.offload``
-    (``"auto"``: design note; ``"cpu"``: every one on the host; None: every one kept) and its peaks. Under
+    (``"auto"``: design notes; ``"cpu"``: every one on the host; None: every one kept), which layers keep their
+    attention output (``"auto"`` with ``spend``: what is left of the device budget, spent), and its peaks. Under
     ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
     n = len(shape.layer_grad_bytes)
+    none_kept = (False,) * n
     if tokens * shape.layer_input_bytes_per_token < host.MIN_BYTES:  # too small to move: the offloader keeps it
         places = (GPU,) * n
-        return places, step_peak(shape, options, tokens, places)
+        return (places, none_kept), step_peak(shape, options, tokens, places)
     if options.offload != "auto":
         places = (HOST if options.offload == "cpu" else GPU,) * n
-        return places, step_peak(shape, options, tokens, places)
+        return (places, none_kept), step_peak(shape, options, tokens, places)
     kept = max(tokens * shape.layer_input_bytes_per_token, 1)
     host_slots = n if host_budget is None else host_budget // kept
     best = None
@@ -179,11 +238,43 @@ def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Opti
         if places is None:
             continue
         peak = step_peak(shape, options, tokens, places)
+        if (gpu_budget is None or peak.gpu_bytes <= gpu_budget) and not spend:
+            return (places, none_kept), peak
         if gpu_budget is None or peak.gpu_bytes <= gpu_budget:
-            return places, peak
+            return _spend(shape, options, tokens, gpu_budget, host_slots, on_gpu, places, peak)
         if best is None or peak.gpu_bytes < best[1].gpu_bytes:
-            best = (places, peak)
+            best = ((places, none_kept), peak)
     if best is None:  # not even the host has room with every possible layer recomputed
         places = arrange(n, 0, max(n - 1, 0)) or (HOST,) * n
-        best = (places, step_peak(shape, options, tokens, places))
+        best = ((places, none_kept), step_peak(shape, options, tokens, places))
     return best
+
+
+def _spend(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int], host_slots: int,
+           on_gpu: int, places: tuple[str, ...], peak: Peak) -> tuple[Placed, Peak]:
+    """The fitting ``places`` (``on_gpu`` inputs on the device) with what the device budget has left spent on kept
+    attention outputs first, then inputs on the device (design note "free memory spent on speed"): the most
+    layers keeping their output, with as many inputs on the device as then fit, and no more recomputed layers."""
+    n = len(places)
+    if not attention_kept_bytes(shape, options, tokens):
+        return (places, (False,) * n), peak
+    recomputed = places.count(RECOMPUTE)
+    best = ((places, (False,) * n), peak, 0)
+    for gpu_inputs in range(on_gpu, -1, -1):  # fewer inputs on the device leaves room for more kept outputs
+        arranged = arrange(n, gpu_inputs, max(n - gpu_inputs - host_slots, 0))
+        if arranged is None or arranged.count(RECOMPUTE) > recomputed:
+            break
+        low, high, found = best[2] + 1, n, None  # the most top layers keeping theirs that fit (monotone)
+        while low <= high:
+            middle = (low + high) // 2
+            keeps = (False,) * (n - middle) + (True,) * middle
+            trial = step_peak(shape, options, tokens, arranged, keeps)
+            if gpu_budget is None or trial.gpu_bytes <= gpu_budget:
+                found, low = ((arranged, keeps), trial, middle), middle + 1
+            else:
+                high = middle - 1
+        if found is not None:
+            best = found
+        if best[2] == n:
+            break
+    return best[0], best[1]

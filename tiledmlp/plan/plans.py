@@ -4,6 +4,7 @@ longest length that does), the budgets a plan is held to, and the placement ``of
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ..core.logs import warn_once
+from ..core.regions import ATTENTION
 from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
@@ -26,7 +28,7 @@ OPTIONS_ATTR = "_tiledmlp_step_options"
 GPU_MARGIN = (1 << 30, 0.03)  # left free on the device: the larger of 1 GiB and 3% (CUDA workspaces, fragmentation)
 HOST_MARGIN = 2 << 30  # left free on the host for everything else
 #: the enable_tiling options plan_memory models (not yet: projections=True, whose LoRA copies add per-token terms)
-PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib")
+PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib", "scratch_mib")
 _LONGEST = 1 << 26  # local tokens: the longest length searched
 _GRAIN = 1024  # longest lengths are multiples of this many local tokens
 
@@ -46,6 +48,7 @@ class MemoryPlan:
     tokens: int
     options: StepOptions
     placement: tuple[str, ...]
+    attention_kept: tuple[bool, ...]  # per checkpointed layer: its attention output kept for its recompute
     peak: Peak
     gpu_budget_bytes: Optional[int]
     host_budget_bytes: Optional[int]
@@ -66,9 +69,11 @@ class MemoryPlan:
 
     def placed(self) -> str:
         counts = {p: self.placement.count(p) for p in (GPU, HOST, RECOMPUTE)}
+        kept = sum(self.attention_kept)
         return ", ".join(f"{n} {where}" for where, n in (("kept on the device", counts[GPU]),
                                                           ("on the host", counts[HOST]),
-                                                          ("recomputed", counts[RECOMPUTE])) if n)
+                                                          ("recomputed", counts[RECOMPUTE])) if n) + (
+            f"; attention output kept for the recompute in {kept}" if kept else "")
 
     def table(self) -> str:
         o = self.options
@@ -98,6 +103,7 @@ def step_options(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     step = replace(tiled, loss=loss is not False, norms=bool(options.get("norms", tiled.norms)),
                    attention=bool(options.get("attention", tiled.attention)),
                    offload=options.get("offload", tiled.offload),
+                   scratch_mib=options.get("scratch_mib", tiled.scratch_mib),
                    **({"loss_scratch_bytes": int(scratch_mib * 2**20)} if scratch_mib else {}))
     if step.offload not in (None, "cpu", "auto"):
         raise ValueError(f"offload={step.offload!r}: plan_memory plans offload=None, 'cpu' or 'auto'")
@@ -125,8 +131,9 @@ def _device_of(model: nn.Module) -> torch.device:
 def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
             host_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
     """``(device, host)`` bytes a step may take: those given, else what this process may use now, minus margins:
-    the device's free memory plus what this process's allocator holds (None on a CPU: its memory is the host's), the
-    host's available memory (control-group aware) plus the offload buffers this process already holds."""
+    the device's free memory plus what this process's allocator holds (None on a CPU: its memory is the host's), this
+    process's share of the host's available memory (control-group aware; shared evenly by the ``LOCAL_WORLD_SIZE``
+    ranks a launcher started on this host) plus the offload buffers this process already holds."""
     device = _device_of(model)
     gpu = int(gpu_mib * 2**20) if gpu_mib is not None else None
     if gpu is None and device.type == "cuda":
@@ -136,12 +143,22 @@ def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
     if host is None:
         available = available_host_bytes()
         # the buffers this process already pinned for offload serve the next steps too
-        host = None if available is None else max(available - HOST_MARGIN, 0) + pinned_bytes(device)
+        share = None if available is None else max(available - HOST_MARGIN, 0) // _ranks_on_this_host()
+        host = None if share is None else share + pinned_bytes(device)
     return gpu, host
 
 
+def _ranks_on_this_host() -> int:
+    """The processes a launcher started on this host (torchrun, accelerate and SLURM's torchrun set
+    ``LOCAL_WORLD_SIZE``), each planning its own steps: they share the host's memory."""
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
 def _fits(shape: ModelShape, options: StepOptions, tokens: int, gpu: Optional[int], host: Optional[int]) -> bool:
-    _, peak = place(shape, options, tokens, gpu, host)
+    _, peak = place(shape, options, tokens, gpu, host, spend=False)
     return (gpu is None or peak.gpu_bytes <= gpu) and (host is None or peak.host_bytes <= host)
 
 
@@ -161,9 +178,9 @@ def longest_tokens(shape: ModelShape, options: StepOptions, gpu: Optional[int], 
 def _plan(shape: ModelShape, options: StepOptions, seq_len: int, batch_size: int, split: int, gpu: Optional[int],
           host: Optional[int]) -> MemoryPlan:
     tokens = seq_len * batch_size // split
-    places, peak = place(shape, options, tokens, gpu, host)
+    (places, keeps), peak = place(shape, options, tokens, gpu, host)
     longest = longest_tokens(shape, options, gpu, host) * split // batch_size
-    return MemoryPlan(seq_len, batch_size, tokens, options, places, peak, gpu, host, longest)
+    return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest)
 
 
 def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence_parallel: int = 1,
@@ -174,11 +191,12 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     ranks: per rank, the device and host peaks and their terms, the placement of each checkpointed layer's input
     (``offload="auto"``: kept, host or recomputed, see ``tiledmlp.plan.memory``), whether it fits ``gpu_mib`` /
     ``host_mib`` (default: those ``model`` was tiled with, else what this process may use now) and the longest
-    length that does.
+    length that does; under ``offload="auto"``, which layers keep their attention output for the recompute with
+    what the device budget has left (``tiledmlp.plan.memory``, design note "free memory spent on speed").
 
-    ``options``: ``enable_tiling``'s (``loss``, ``norms``, ``attention``, ``offload``, ``loss_scratch_mib``); those
-    left out are the ones ``model`` was tiled with, else the defaults. ``optimizer``: count its states. Runs
-    nothing on the model; costs no communication."""
+    ``options``: ``enable_tiling``'s (``loss``, ``norms``, ``attention``, ``offload``, ``loss_scratch_mib``,
+    ``scratch_mib``); those left out are the ones ``model`` was tiled with, else the defaults. ``optimizer``: count
+    its states. Runs nothing on the model; costs no communication."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int (tokens per sequence), got {seq_len!r}")
     if batch_size < 1 or sequence_parallel < 1 or seq_len * batch_size % sequence_parallel:
@@ -218,7 +236,8 @@ def refusal(plan: MemoryPlan, shape: ModelShape) -> str:
 
 #: what ``enable_tiling(model, seq_len=T)`` turns on, in this order, until the step fits: the cheapest first (tiled
 #: norms cost one more norm forward per shard; ``attention=True`` nothing measurable; offloading host copies or
-#: layer recomputes)
+#: layer recomputes). ``offload="auto"`` comes on last in any case, where not given: it spends what is left of the
+#: device on speed
 ESCALATION = (("norms", True), ("attention", True), ("offload", "auto"))
 
 
@@ -241,28 +260,33 @@ def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gp
         plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
     if not plan.fits:
         raise ValueError(f"enable_tiling(seq_len={seq_len}): {refusal(plan, model_shape(model))}")
+    if "offload" not in given and chosen["offload"] is None:
+        chosen["offload"] = "auto"  # fits as it is: the rest of the device is spent on speed
+        plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
     return chosen, plan, turned_on
 
 
 class AutoPlacement:
     """``offload="auto"``'s placement for a step whose layer input is ``nbytes`` (``tiledmlp.offload`` executes it,
-    asking at each step's first layer): planned from the model's shapes, the budgets, and what else is on the device
+    asking at each step's first layer): each layer's input place, and what its forward keeps for its recompute;
+    planned from the model's shapes, the budgets, and what else is on the device
     then (optimizer states after the first step), once per length and such state; a length that fits nowhere is a
     ``MemoryError`` before the step's first layer, naming the longest that fits and what would help. Holds the model
     itself (not a closure), so that copies and pickles of the model keep working."""
 
     def __init__(self, model: nn.Module, options: StepOptions) -> None:
         self.model, self.options = model, options
-        self._decided: dict[tuple[int, int], tuple[str, ...]] = {}
+        self._decided: dict[tuple[int, int], tuple[tuple[str, ...], tuple[frozenset[str], ...]]] = {}
 
-    def __call__(self, nbytes: int) -> tuple[str, ...]:
-        other = _other_device_bytes(self.model)
+    def __call__(self, nbytes: int) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+        # asked at the first layer, whose input (``nbytes``) is on the device now: the plan counts it itself
+        other = max(_other_device_bytes(self.model) - nbytes, 0)
         key = (nbytes, other >> 28)  # what else is on the device, to 256 MiB
         if key not in self._decided:
             self._decided[key] = self._decide(nbytes, other)
         return self._decided[key]
 
-    def _decide(self, nbytes: int, other: int) -> tuple[str, ...]:
+    def _decide(self, nbytes: int, other: int) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
         shape = model_shape(self.model)
         tokens = nbytes // shape.layer_input_bytes_per_token
         gpu, host = budgets(self.model, self.options.gpu_mib, self.options.host_mib)
@@ -271,7 +295,7 @@ class AutoPlacement:
             raise MemoryError(f"tiledmlp offload='auto': {refusal(plan, shape)}")
         log.info("offload='auto' at %s tokens: layer inputs %s; device peak ~%s, host %s", f"{tokens:,}",
                  plan.placed(), _gib(plan.gpu_peak_bytes), _gib(plan.host_peak_bytes))
-        return plan.placement
+        return plan.placement, tuple(frozenset((ATTENTION,)) if k else frozenset() for k in plan.attention_kept)
 
 
 def _other_device_bytes(model: nn.Module) -> int:

@@ -12,6 +12,9 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.offload import checkpointing, host
+from unit_helpers import FixedPlacement as Fixed
+from unit_helpers import assert_identical, checkpointed_llama
+from unit_helpers import train_exactly as train
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,46 +27,8 @@ def fresh_offloaders(monkeypatch):
     monkeypatch.setattr(host, "MIN_BYTES", 0)
 
 
-def llama(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout)
-    model = transformers.LlamaForCausalLM(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def train(model: nn.Module, steps: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """``steps`` SGD steps on fixed batches (the RNG seeded per step: dropout draws the same masks in every run)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(128, (2, 40), generator=torch.Generator().manual_seed(seed))
-    out = []
-    for k in range(steps):
-        torch.manual_seed(100 + k)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return out
-
-
-def assert_identical(got, ref) -> None:
-    for (loss, grads), (loss_ref, grads_ref) in zip(got, ref, strict=True):
-        assert torch.equal(loss, loss_ref)
-        assert all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref), \
-            [n for n in grads_ref if not torch.equal(grads[n], grads_ref[n])]
-
-
-class Fixed:
-    """A placement decided in advance (what ``AutoPlacement`` would return), counting its calls."""
-
-    def __init__(self, places: tuple[str, ...]) -> None:
-        self.places, self.calls = places, 0
-
-    def __call__(self, nbytes: int) -> tuple[str, ...]:
-        self.calls += 1
-        return self.places
+def llama_of(dropout: float = 0.0) -> nn.Module:
+    return checkpointed_llama(LAYERS, dropout)
 
 
 PLACEMENTS = [("gpu", "recompute", "host", "recompute"), ("host", "recompute", "recompute", "recompute"),
@@ -73,8 +38,8 @@ PLACEMENTS = [("gpu", "recompute", "host", "recompute"), ("host", "recompute", "
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("places", PLACEMENTS, ids="-".join)
 def test_every_placement_trains_bit_for_bit_like_checkpointing(places, dropout):
-    ref = train(tiledmlp.enable_tiling(llama(dropout), tile_tokens=16))
-    model = tiledmlp.enable_tiling(llama(dropout), tile_tokens=16, offload="auto")
+    ref = train(tiledmlp.enable_tiling(llama_of(dropout), tile_tokens=16))
+    model = tiledmlp.enable_tiling(llama_of(dropout), tile_tokens=16, offload="auto")
     placement = checkpointing.layer_placement(model)
     placement.decide = Fixed(places)
     assert_identical(train(model), ref)
@@ -86,7 +51,7 @@ def test_every_placement_trains_bit_for_bit_like_checkpointing(places, dropout):
 
 
 def test_a_recomputed_input_is_freed_until_its_backward():
-    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto")
+    model = tiledmlp.enable_tiling(llama_of(), tile_tokens=16, offload="auto")
     placement = checkpointing.layer_placement(model)
     placement.decide = Fixed(("gpu", "recompute", "recompute", "gpu"))
     ids = torch.randint(128, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -98,7 +63,7 @@ def test_a_recomputed_input_is_freed_until_its_backward():
 
 def test_a_layer_whose_input_is_not_the_layer_below_s_output_goes_to_the_host(caplog):
     """A model that changes the hidden states between layers: nothing to rebuild from; said once."""
-    model = llama()
+    model = llama_of()
     layers = model.model.layers
 
     class Scaled(nn.Module):  # multiplies the hidden states between layer 1 and layer 2
@@ -113,7 +78,7 @@ def test_a_layer_whose_input_is_not_the_layer_below_s_output_goes_to_the_host(ca
             hidden_states = scale(hidden_states)
         return original_call(self, hidden_states, *args, **kwargs)
 
-    ref_model = llama()
+    ref_model = llama_of()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(layers[2].__class__, "__call__", call)
         ref = train(tiledmlp.enable_tiling(ref_model, tile_tokens=16), steps=1)
@@ -128,17 +93,18 @@ def test_a_layer_whose_input_is_not_the_layer_below_s_output_goes_to_the_host(ca
 
 
 def test_a_placement_is_checked():
-    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto")
+    model = tiledmlp.enable_tiling(llama_of(), tile_tokens=16, offload="auto")
     ids = torch.randint(128, (1, 16))
-    for bad in [("recompute", "gpu", "gpu", "gpu"), ("gpu", "gpu"), ("gpu", "disk", "gpu", "gpu")]:
-        checkpointing.layer_placement(model).decide = Fixed(bad)
+    for bad, keeps in [(("recompute", "gpu", "gpu", "gpu"), ()), (("gpu", "gpu"), ()),
+                       (("gpu", "disk", "gpu", "gpu"), ()), (("gpu",) * 4, (frozenset({"logits"}),) * 4)]:
+        checkpointing.layer_placement(model).decide = Fixed(bad, keeps)
         with pytest.raises(ValueError, match="one of"):
             model(input_ids=ids, labels=ids)
 
 
 def test_a_model_with_auto_offload_copies():
     """(Pickling a checkpointed Hugging Face model fails in transformers' own input hook, tiled or not.)"""
-    model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="auto")
+    model = tiledmlp.enable_tiling(llama_of(), tile_tokens=16, offload="auto")
     ref = train(copy.deepcopy(model), steps=1)
     clone = copy.deepcopy(model)
     placement = checkpointing.layer_placement(clone)

@@ -121,7 +121,8 @@ def test_plan_memory_reads_the_options_a_model_was_tiled_with():
 @pytest.mark.parametrize("removed", [0, 1, 3])
 def test_seq_len_turns_on_the_fewest_options_that_fit(removed, caplog):
     """A device budget ``removed`` layer inputs short of the untiled plan's: the options turned on are the shortest
-    prefix of the escalation whose plan fits (each prefix planned here too)."""
+    prefix of the escalation whose plan fits (each prefix planned here too); ``offload="auto"`` comes on in any case
+    (it spends the rest of the device on speed)."""
     everything = tiledmlp.plan_memory(llama(), 4096, offload=None, gpu_mib=1 << 20, host_mib=0)
     budgets = {"gpu_mib": (everything.gpu_peak_bytes - removed * 4096 * 64 * 4) / 2**20, "host_mib": 1}
     prefixes = [dict(ESCALATION[:k]) for k in range(len(ESCALATION) + 1)]
@@ -131,7 +132,7 @@ def test_seq_len_turns_on_the_fewest_options_that_fit(removed, caplog):
         tiledmlp.enable_tiling(model, seq_len=4096, **budgets)
     plan = tiledmlp.plan_memory(model, 4096, **budgets)
     assert plan.fits and {k: getattr(plan.options, k) for k in fitting} == fitting
-    assert (checkpointing.layer_placement(model) is not None) == ("offload" in fitting)
+    assert plan.options.offload == "auto" and checkpointing.layer_placement(model) is not None
     said = "fits as given" if not fitting else f"turned on {', '.join(f'{k}={v!r}' for k, v in fitting.items())}"
     assert said in caplog.text
     if removed:
@@ -166,3 +167,16 @@ def test_describe_shows_the_placement_and_the_plan():
     assert str(description).splitlines()[-len(description.memory.table().splitlines()):] == \
         description.memory.table().splitlines()
     assert tiledmlp.describe(model).memory is None
+
+
+def test_ranks_on_one_host_share_its_memory(monkeypatch):
+    """The default host budget is this process's share of the host: torchrun's ``LOCAL_WORLD_SIZE`` ranks each plan
+    their own steps against the same memory."""
+    from tiledmlp.plan import plans
+
+    monkeypatch.setattr(plans, "available_host_bytes", lambda: (64 << 30) + plans.HOST_MARGIN)
+    model = llama()
+    assert plans.budgets(model)[1] == 64 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert plans.budgets(model)[1] == 8 << 30
+    assert plans.budgets(model, host_mib=1024)[1] == 1 << 30  # a given budget stands
