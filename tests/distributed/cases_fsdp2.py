@@ -24,9 +24,12 @@ from common import (
 CASES, case = registry()
 
 
-def fsdp2(env: Env, unit: Optional[type], **options: Any) -> Callable[[nn.Module], nn.Module]:
-    """``fully_shard`` every module of type ``unit`` (None: none), then the root, on a 1-D mesh."""
-    mesh = init_device_mesh(env.device.type, (env.world,))
+def fsdp2(env: Env, unit: Optional[type], replicas: int = 1, **options: Any) -> Callable[[nn.Module], nn.Module]:
+    """``fully_shard`` every module of type ``unit`` (None: none), then the root: on a 1-D mesh, or with ``replicas``
+    > 1 on a ``(replicate, shard)`` mesh (HSDP: each parameter sharded within a group of ``world / replicas`` ranks,
+    as inside a node, and replicated across the groups, as across nodes)."""
+    mesh = (init_device_mesh(env.device.type, (env.world,)) if replicas == 1 else
+            init_device_mesh(env.device.type, (replicas, env.world // replicas), mesh_dim_names=("replicate", "shard")))
 
     def wrap(model: nn.Module) -> nn.Module:
         if unit is not None:

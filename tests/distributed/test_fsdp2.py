@@ -55,7 +55,15 @@ def test_no_sync_reduces_only_on_the_syncing_micro_batch(suite, case):
 
 def test_reshard_after_forward_int(suite_of_four):
     assert_matches_untiled(suite_of_four.metrics("fsdp2_reshard_to_int"), "fsdp2")
-    assert_all_checked(suite_of_four, {"fsdp2_reshard_to_int"})
+
+
+def test_hsdp_matches_untiled(suite_of_four):
+    """HSDP over 2 "nodes" x 2 ranks: the same training as untiled HSDP over 3 steps (AdamW), the same collectives."""
+    assert_matches_untiled(suite_of_four.metrics("fsdp2_hsdp"), "fsdp2")
+
+
+def test_every_case_of_four_checked(suite_of_four):
+    assert_all_checked(suite_of_four, {"fsdp2_reshard_to_int", "fsdp2_hsdp"})
 
 
 @pytest.mark.parametrize("case", MIXED_PRECISION)
