@@ -12,21 +12,16 @@ from torch import nn
 import tiledmlp
 from tiledmlp.attention.grouped import KEPT, KeptForward, grouped_attention, kept_for
 from tiledmlp.core.regions import CheckpointRegion, current_region
-from tiledmlp.offload import checkpointing, host
+from tiledmlp.offload import checkpointing
 from unit_helpers import FixedPlacement, assert_identical, checkpointed_llama, train_exactly
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_offloaders")
 
 LAYERS = 4
 #: a scratch budget small enough that the tiny model's attention runs in KV-head groups (the path that keeps)
 GROUPED = dict(attention=True, scratch_mib=0.01, tile_tokens=16)
 ATTENTION = frozenset({KEPT})
-
-
-@pytest.fixture(autouse=True)
-def fresh_offloaders(monkeypatch):
-    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
-    monkeypatch.setattr(host, "MIN_BYTES", 0)
 
 
 def modes(model: nn.Module) -> list:

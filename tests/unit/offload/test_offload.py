@@ -13,18 +13,12 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp import offload
-from tiledmlp.offload import checkpointing, host
+from tiledmlp.offload import host
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_offloaders")
 
 HIDDEN, LAYERS, TOKENS = 64, 3, 40
-
-
-@pytest.fixture(autouse=True)
-def fresh_offloaders(monkeypatch):
-    """A fresh offloader per test that offloads every floating argument (the test tensors are small)."""
-    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
-    monkeypatch.setattr(host, "MIN_BYTES", 0)
 
 
 def llama(reentrant: bool = False, checkpointing: bool = True) -> nn.Module:

@@ -11,20 +11,15 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.offload import checkpointing, host
+from tiledmlp.offload import checkpointing
 from unit_helpers import FixedPlacement as Fixed
 from unit_helpers import assert_identical, checkpointed_llama
 from unit_helpers import train_exactly as train
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_offloaders")
 
 LAYERS = 4
-
-
-@pytest.fixture(autouse=True)
-def fresh_offloaders(monkeypatch):
-    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
-    monkeypatch.setattr(host, "MIN_BYTES", 0)
 
 
 def llama_of(dropout: float = 0.0) -> nn.Module:

@@ -10,28 +10,19 @@ import pytest
 import torch
 
 import tiledmlp
-from tiledmlp.offload import checkpointing, host
+from tiledmlp.offload import checkpointing
 from tiledmlp.plan.memory import arrange, step_peak
 from tiledmlp.plan.plans import ESCALATION, step_options
 from tiledmlp.plan.shapes import model_shape
+from unit_helpers import checkpointed_llama
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_offloaders")
 LAYERS, BATCH, TOKENS = 6, 2, 512
 
 
-@pytest.fixture(autouse=True)
-def fresh_offloaders(monkeypatch):
-    monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
-    monkeypatch.setattr(host, "MIN_BYTES", 0)
-
-
 def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return checkpointed_llama(LAYERS)
 
 
 def train(model: torch.nn.Module, steps: int = 2, tokens: int = TOKENS) -> list[tuple[torch.Tensor, dict]]:
