@@ -29,11 +29,12 @@ def test_the_environment_names_versions_devices_and_host_memory():
 
 def test_a_config_says_what_enable_tiling_would_do_and_plans_a_length(config_dir, capsys):
     assert check.main(["--model", str(config_dir / "config.json"), "--seq-len", "65536",
-                       "--options", '{"norms": true, "attention": true}']) == 0
+                       "--options", '{"norms": true, "attention": true, "offload": "auto"}']) == 0
     said = capsys.readouterr().out
-    assert "LlamaForCausalLM, 4 layers; enable_tiling(model, norms=True, attention=True) would tile" in said
+    assert ("LlamaForCausalLM, 4 layers; enable_tiling(model, norms=True, attention=True, offload='auto') would tile"
+            in said)
     assert "model.layers.0.mlp" in said and "glu" in said and "loss tiled at lm_head" in said
-    assert "memory plan: 65,536 tokens" in said and "norms=True, attention=True" in said
+    assert "memory plan: 65,536 tokens" in said and "norms=True, attention=True, offload='auto'" in said
     assert "conflict" not in said
 
 

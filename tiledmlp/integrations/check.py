@@ -125,9 +125,16 @@ def _load_config(source: str) -> Any:
     return AutoConfig.from_pretrained(source)  # a directory, or a model id in the local cache or on the hub
 
 
+def _checkpointed(model: nn.Module) -> nn.Module:
+    """``model`` with non-reentrant checkpointing per layer, as a long-context run trains it (``offload`` and the
+    plan need it)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def _twin(config: Any) -> nn.Module:
-    """One decoder layer of ``config``'s causal LM, random weights, on the CPU (what ``enable_tiling`` recognizes is
-    the same in every layer)."""
+    """One decoder layer of ``config``'s causal LM, random weights, on the CPU, checkpointed (what ``enable_tiling``
+    recognizes is the same in every layer)."""
     from transformers import AutoModelForCausalLM
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -135,7 +142,7 @@ def _twin(config: Any) -> nn.Module:
     if text is not config:
         small.get_text_config().num_hidden_layers = 1
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(small, dtype=torch.bfloat16)
+    return _checkpointed(AutoModelForCausalLM.from_config(small, dtype=torch.bfloat16))
 
 
 def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> str:
@@ -154,8 +161,7 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
     lines += [f"conflict: {name}: {why}" for name, why in found.items()]
     if seq_len:
         with torch.device("meta"):
-            full = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            full = _checkpointed(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
         planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "scratch_mib") if k in options}
         plan = plan_memory(full, seq_len, gpu_mib=options.get("gpu_mib"), host_mib=options.get("host_mib"), **planned)
         lines.append(str(plan))
