@@ -200,11 +200,12 @@ def checkpointed_llama(layers: int = 4, dropout: float = 0.0, attn_implementatio
     return model
 
 
-def train_exactly(model: nn.Module, steps: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """``steps`` SGD steps of a causal LM on fixed batches of 2 x 40 tokens (the RNG seeded per step: dropout draws
-    the same masks in every run): each step's loss and gradients, for :func:`assert_identical`."""
+def train_exactly(model: nn.Module, steps: int = 3, seed: int = 1, batch: int = 2,
+                  tokens: int = 40) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``steps`` SGD steps of a causal LM on fixed batches of ``batch`` x ``tokens`` (the RNG seeded per step:
+    dropout draws the same masks in every run): each step's loss and gradients, for :func:`assert_identical`."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(128, (2, 40), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(128, (batch, tokens), generator=torch.Generator().manual_seed(seed))
     out = []
     for k in range(steps):
         torch.manual_seed(100 + k)

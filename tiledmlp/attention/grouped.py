@@ -49,7 +49,7 @@ from ..core.regions import ATTENTION, CheckpointRegion
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 
 __all__ = ["grouped_attention", "kv_heads_per_call", "attention_scratch_per_token", "kept_bytes_per_token",
-           "kept_for", "sdpa_kernel_name", "backend_name", "KERNELS", "KEPT", "KeptForward"]
+           "kept_for", "sdpa_kernel_name", "backend_name", "KERNELS", "KeptForward"]
 
 aten = torch.ops.aten
 
@@ -127,10 +127,6 @@ def _kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.
                                                                  cum_k, max_q, max_k, 0.0, is_causal, scale=scale)
     return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
                                                              0.0, is_causal, seed, offset, scale=scale)
-
-
-#: the kind of value a checkpoint region keeps for this module (``tiledmlp.core.regions``)
-KEPT = ATTENTION
 
 
 class KeptForward(NamedTuple):
@@ -217,7 +213,7 @@ def kept_for(region: CheckpointRegion, q: torch.Tensor, k: torch.Tensor, is_caus
              kernel: str) -> Optional[KeptForward]:
     """In a recompute of ``region``: what its forward kept for this call, if it still serves it (design note); None
     otherwise, said once when something was kept but cannot serve."""
-    kept = region.take(KEPT)
+    kept = region.take(ATTENTION)
     if kept is not None and not kept.serves(_call_key(q, k, is_causal, scale, kernel)):
         warn_once(("kept attention unused",), "attention: a recompute did not reuse the attention output its "
                   "forward kept (changed in place since, or computed for other inputs); the kernel ran again")

@@ -60,8 +60,8 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 
 from ..core.logs import warn_once
-from ..core.regions import current_region
-from .grouped import KEPT, KERNELS, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name
+from ..core.regions import ATTENTION, current_region
+from .grouped import KERNELS, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name
 
 __all__ = ["remember_norm_output", "GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
            "uninstall_attention", "attention_layers", "reduce_layer_method"]
@@ -218,12 +218,12 @@ class GroupedAttentionMode(TorchFunctionMode):
         self.grouped += 1
         kept = keep = None
         region = None if torch.compiler.is_compiling() else current_region()  # compiled layers keep nothing
-        if region is not None and KEPT in region.keeps:
+        if region is not None and ATTENTION in region.keeps:
             if region.recomputing:
                 kept = kept_for(region, query, key, is_causal, scale, kernel)
                 self.reused += kept is not None
             else:
-                keep = functools.partial(region.put, KEPT)
+                keep = functools.partial(region.put, ATTENTION)
                 self.kept += 1
         return grouped_attention(query, key, value, is_causal, scale, per_call, kernel, kept, keep)
 

@@ -39,7 +39,7 @@ class CheckpointRegion:
     """``function`` as a checkpoint calls it, counting its calls; ``keeps``: the kinds of values the caller allows
     the forward to put here for the recompute (design note)."""
 
-    __slots__ = ("function", "keeps", "calls", "_kept", "__weakref__")
+    __slots__ = ("function", "keeps", "calls", "_kept")
 
     def __init__(self, function: Callable[..., Any], keeps: frozenset[str] = frozenset()) -> None:
         self.function, self.keeps, self.calls = function, keeps, 0

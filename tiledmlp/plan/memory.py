@@ -113,14 +113,19 @@ def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
     return modelled
 
 
+def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> int:
+    """KV heads per grouped attention call at ``tokens`` (as ``tiledmlp.attention`` will choose them)."""
+    return kv_heads_per_call(tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.act_itemsize,
+                             options.scratch_mib)
+
+
 def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
     """The scratch of the tiled computation at a layer's backward peak (design note): with ``attention=True`` the
     larger of the shard budget and one call's KV-head groups' backward scratch; 0 without (a per-token term)."""
     if not options.attention:
         return 0
     groups = shape.heads // shape.kv_heads
-    per_call = kv_heads_per_call(tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.act_itemsize,
-                                 options.scratch_mib)
+    per_call = _kv_heads_per_call(shape, options, tokens)
     attention = attention_scratch_per_token(per_call * groups, shape.head_dim, groups > 1, shape.act_itemsize)
     return max(int((options.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20), attention * tokens)
 
@@ -128,9 +133,7 @@ def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
 def attention_kept_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
     """Bytes one layer's kept attention output takes for ``tokens`` local tokens; 0 where nothing can be kept (no
     ``attention=True``, or calls short enough to run ungrouped, which keep nothing)."""
-    heads_per_call = kv_heads_per_call(tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.act_itemsize,
-                                       options.scratch_mib)
-    if not options.attention or heads_per_call == shape.kv_heads:
+    if not options.attention or _kv_heads_per_call(shape, options, tokens) == shape.kv_heads:
         return 0
     return tokens * kept_bytes_per_token(shape.heads, shape.head_dim, shape.act_itemsize)
 
@@ -238,9 +241,9 @@ def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Opti
         if places is None:
             continue
         peak = step_peak(shape, options, tokens, places)
-        if (gpu_budget is None or peak.gpu_bytes <= gpu_budget) and not spend:
-            return (places, none_kept), peak
         if gpu_budget is None or peak.gpu_bytes <= gpu_budget:
+            if not spend:
+                return (places, none_kept), peak
             return _spend(shape, options, tokens, gpu_budget, host_slots, on_gpu, places, peak)
         if best is None or peak.gpu_bytes < best[1].gpu_bytes:
             best = ((places, none_kept), peak)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.attention.grouped import KEPT, KeptForward, grouped_attention, kept_for
+from tiledmlp.attention.grouped import KeptForward, grouped_attention, kept_for
+from tiledmlp.core.regions import ATTENTION as KEPT
 from tiledmlp.core.regions import CheckpointRegion, current_region
 from tiledmlp.offload import checkpointing
 from unit_helpers import FixedPlacement, assert_identical, checkpointed_llama, train_exactly

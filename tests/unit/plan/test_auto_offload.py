@@ -14,7 +14,7 @@ from tiledmlp.offload import checkpointing
 from tiledmlp.plan.memory import arrange, step_peak
 from tiledmlp.plan.plans import ESCALATION, step_options
 from tiledmlp.plan.shapes import model_shape
-from unit_helpers import checkpointed_llama
+from unit_helpers import assert_identical, checkpointed_llama, train_exactly
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_offloaders")
@@ -26,16 +26,7 @@ def llama() -> torch.nn.Module:
 
 
 def train(model: torch.nn.Module, steps: int = 2, tokens: int = TOKENS) -> list[tuple[torch.Tensor, dict]]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(128, (BATCH, tokens), generator=torch.Generator().manual_seed(1))
-    out = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return out
+    return train_exactly(model, steps, batch=BATCH, tokens=tokens)
 
 
 def budgets_for(kept_on_gpu: int, on_host: int) -> dict[str, float]:
@@ -59,8 +50,7 @@ def test_auto_places_within_the_budgets_and_trains_bit_for_bit(kept_on_gpu, on_h
     assert plan.placement.count("host") <= on_host
     with caplog.at_level(logging.INFO, logger="tiledmlp"):
         got = train(model)
-    for (loss, grads), (loss_ref, grads_ref) in zip(got, ref):
-        assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+    assert_identical(got, ref)
     placement = checkpointing.layer_placement(model)
     assert placement.places == plan.placement
     for where in ("gpu", "host", "recompute"):
@@ -84,8 +74,7 @@ def test_tight_budgets_recompute_and_keep_the_most_that_fits():
     assert more is None or step_peak(shape, options, BATCH * tokens, more).gpu_bytes > plan.gpu_budget_bytes
     ref = train(tiledmlp.enable_tiling(llama(), tile_tokens=512), tokens=tokens)
     got = train(tiledmlp.enable_tiling(llama(), tile_tokens=512, offload="auto", **budgets), tokens=tokens)
-    for (loss, grads), (loss_ref, grads_ref) in zip(got, ref):
-        assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+    assert_identical(got, ref)
 
 
 def test_a_length_that_fits_nowhere_is_refused_at_the_first_layer():
