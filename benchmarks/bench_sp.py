@@ -11,9 +11,11 @@ Variants:
                    labels afterwards, as the recipes do).
 * ``tiled``        ``tiledmlp.enable_tiling(model)`` (MLPs and loss), the loss ``tiledmlp.sequence_loss``.
 * ``tiled+offload+norms``  the same with ``norms=True, offload="cpu"``.
-* ``tiled+offload+norms+attn``  and ``attention=True`` (``tiledmlp.attention``): the SDPA call Ulysses makes on
-                   each rank's heads of the whole sequence with its backward in KV-head groups, q/k/v keeping the
-                   norm's input.
+* ``tiled+offload+norms+attn+dsx``  and ``attention=True`` with DeepSpeed's own exchanges around the core: the SDPA
+                   call Ulysses makes on each rank's heads of the whole sequence computed by ``tiledmlp.attention``
+                   (its backward in KV-head groups), as before tiledmlp took Ulysses' calls (the baseline of the next).
+* ``tiled+offload+norms+attn``  and ``attention=True``: Ulysses' calls computed by ``tiledmlp.attention.ulysses``
+                   (the exchanges inside one node, per KV-head slot), q/k/v keeping the norm's input.
 * ``ring``, ``ring+tiled+offload+norms``  torch's ring attention (``context_parallel``, GPUs only) instead of
                    Ulysses, untiled and tiled: load-balanced chunks (a head and a tail chunk per rank), grouped KV
                    heads repeated at their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query
@@ -25,7 +27,8 @@ default) and the whole sequence's gradients are the units' full tensors. (The AL
 model's parts directly, runs under DeepSpeed's ZeRO-3 in its recipes, not here.)
 
 Each variant's head and first-MLP gradients, summed over the ranks (the whole sequence's), are compared with the
-untiled run's (``grad_rel``, the largest relative difference): the ALST stack's head gradient comes out multiplied
+untiled run's (``grad_rel``, the largest relative difference; where the untiled run is not in ``--variants``, the
+first variant's): the ALST stack's head gradient comes out multiplied
 by the rank's valid-label count (its loss computes the parameters' gradients in forward with an incoming gradient
 of 1 and rescales only the input's), which the column shows. (The head is untied, so its gradient is its own.)
 
@@ -64,14 +67,16 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
+import tiledmlp.attention.layers  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
-from reporting import fmt, save_results  # noqa: E402
+from reporting import fmt, gpu_slug, save_results  # noqa: E402
 from row_outcomes import RowOutcomes  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
-VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn") + RING
+VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn+dsx",
+            "tiled+offload+norms+attn") + RING
 COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
@@ -96,15 +101,29 @@ def alst_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
 
 
 def configure(model: nn.Module, variant: str) -> None:
+    from tiledmlp.attention import layers
+    from tiledmlp.distributed.sequence_parallel import ulysses_module
+
     tiledmlp.disable_tiling(model)
     for m in model.modules():
         m.__dict__.pop("forward", None)  # the alst variant's instance forwards
+    ulysses = ulysses_module(model)
+    if ulysses is not None:  # DeepSpeed's own Ulysses forward, unless this variant lets tiledmlp take its calls
+        ulysses.__dict__.pop("forward", None)
+    layers.install_ulysses = _keep_deepspeeds_exchanges if variant.endswith("+dsx") else _INSTALL_ULYSSES
     tiling = variant.removeprefix("ring").removeprefix("+")
     if tiling == "alst":
         use_deepspeed_tiled_mlp(model)
     elif tiling.startswith("tiled"):
         extra = dict(norms=True, offload="cpu") if "offload" in tiling else {}
-        tiledmlp.enable_tiling(model, attention=tiling.endswith("+attn"), **extra)
+        tiledmlp.enable_tiling(model, attention="+attn" in tiling, **extra)
+
+
+def _keep_deepspeeds_exchanges(ulysses: nn.Module) -> None:
+    """The ``+dsx`` variant's stand-in for ``tiledmlp.attention.layers.install_ulysses``: Ulysses' own forward runs."""
+
+
+_INSTALL_ULYSSES = tiledmlp.attention.layers.install_ulysses
 
 
 @contextlib.contextmanager
@@ -124,10 +143,12 @@ def torch_ring(model: nn.Module, sdpa: Any) -> Iterator[None]:
 
 
 def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device,
-            ring: Optional[tuple[Any, Any]] = None, sharded: bool = False) -> dict[str, Any]:
+            ring: Optional[tuple[Any, Any]] = None, sharded: bool = False,
+            trace: Optional[Path] = None) -> dict[str, Any]:
     """One step (forward + backward) on this rank's part of a ``tokens``-long sequence. ``ring``: the ``cp`` device
     mesh and transformers' sdpa, for the ring variants; ``sharded``: the model is FSDP2's (which averages the
-    ranks' gradients), else nothing reduces them."""
+    ranks' gradients), else nothing reduces them; ``trace``: on rank 0 of a GPU run, what was alive at the step's
+    peak is written there (``profile_layer_memory.write_profile``, per local token)."""
     averaged = None if sharded else 1  # sequence_loss scales the gradient for FSDP2's average, or not at all
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     part = tokens // world
@@ -143,6 +164,10 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
+    tracing = trace is not None and device.type == "cuda" and dist.get_rank() == 0
+    before = torch.cuda.memory_allocated(device) if tracing else 0
+    if tracing:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
     begin = time.perf_counter()
     if variant == "alst":
         loss = alst_loss(model, **inputs, shift=shift[:, cut], group=group)
@@ -165,6 +190,12 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - begin
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    if tracing:
+        from profile_layer_memory import write_profile
+
+        events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        write_profile(events, before, torch.cuda.max_memory_allocated(device), part, trace)
     stats = torch.tensor([seconds, peak if peak == peak else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     value = loss.detach().clone()
@@ -176,6 +207,9 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     if not sharded:  # the whole sequence's gradient: the ranks' shares summed (FSDP2 averaged the scaled ones)
         for g in grads.values():
             dist.all_reduce(g, group=group)
+    # kept on the host: on the device they would count in the next row's peak (the head's alone is 2 GiB at 8B)
+    grads = {n: g.cpu() for n, g in grads.items()}
+    model.zero_grad(set_to_none=True)
     return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
             "loss": value.item(), "grads": grads}
 
@@ -195,6 +229,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shard", choices=("none", "fsdp2"), default="none",
                         help="fsdp2: the weights sharded over the ranks (a unit per decoder layer and the root)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="GPUs: record rank 0's step and write what was alive at its peak, per local token "
+                             "(profile_layer_memory_sp_*.csv/.md beside the results; slower)")
     parser.add_argument("--oom-grace-s", type=float, default=60.0,
                         help="how long a rank may stay in a step after another ran out of memory before the run is "
                              "ended as blocked (row_outcomes.py)")
@@ -269,13 +306,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 if dist.get_rank() == 0:
                     save([*rows, {**row, **out_of_memory}], show=True)
 
+            trace = (args.out / f"profile_layer_memory_sp_{gpu_slug(device)}_{args.model}_{size['layers']}l_{tokens}_"
+                     f"{variant}_{args.shard}" if args.memory_trace else None)
             result, status = outcomes.run(functools.partial(measure, model, variant, tokens, group, device, ring,
-                                                            sharded=args.shard == "fsdp2"), stuck)
+                                                            sharded=args.shard == "fsdp2", trace=trace), stuck)
             if status == "oom":
                 rows.append({**row, **out_of_memory})
             else:
                 grads = result.pop("grads")
-                if variant == "untiled":
+                if variant == "untiled" or tokens not in reference:  # else the first variant that ran
                     reference[tokens] = grads
                 result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
                 rows.append({**row, **result})

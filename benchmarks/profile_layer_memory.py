@@ -152,12 +152,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         events, before, max_allocated = record_step(args)
         name = (f"{gpu_slug(torch.device('cuda'))}_{args.model}{'_qlora' if args.qlora else ''}"
                 f"{'_autocast' if args.autocast else ''}_{args.layers}l_{args.tokens}_{args.variant}")
+    return write_profile(events, before, max_allocated, args.tokens, args.out / f"profile_layer_memory_{name}")
+
+
+def write_profile(events: list[dict[str, Any]], before: int, max_allocated: int, tokens: int,
+                  stem: Path) -> list[dict[str, Any]]:
+    """What was alive at the peak of a recorded step (``events``: a device trace), per ``tokens``, printed and
+    written to ``stem``.csv and ``stem``.md (``bench_sp.py --memory-trace`` writes its rank 0's the same way)."""
     peak, blocks = alive_at_peak(events)
-    rows = table(blocks, args.tokens)
+    rows = table(blocks, tokens)
     print(f"before the step {before / 2**30:.2f} GiB; peak during it {peak / 2**30:.2f} GiB above that "
-          f"({peak / args.tokens / 1024:.1f} KiB/token); max_memory_allocated {max_allocated / 2**30:.2f} GiB")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"profile_layer_memory_{name}"
+          f"({peak / tokens / 1024:.1f} KiB/token); max_memory_allocated {max_allocated / 2**30:.2f} GiB")
+    stem.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=("origin", "bytes", "kib_per_token", "count"))
         writer.writeheader()
@@ -166,7 +172,24 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     lines += [f"| `{r['origin']}` | {r['kib_per_token']:.1f} | {r['count']} |" for r in rows]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    Path(f"{stem}_stacks.txt").write_text(stacks(events, blocks, tokens))
     return rows
+
+
+def stacks(events: list[dict[str, Any]], blocks: dict[int, dict[str, Any]], tokens: int, depth: int = 10) -> str:
+    """The call stacks (Python frames outside torch, innermost first, ``depth`` at most) of the blocks live at the
+    peak, largest first, and of the allocation that made the peak: where each was made, and when the peak was."""
+    def frames(event: dict[str, Any]) -> str:
+        python = [f for f in event.get("frames", []) if f.get("filename", "").endswith(".py")]
+        outside = [f for f in python[1:] if not any(part in f["filename"] for part in PLUMBING)]
+        return " < ".join(_where(f) for f in python[:1] + outside[:depth - 1])
+
+    order = {id(e): i for i, e in enumerate(events)}
+    last = max(blocks.values(), key=lambda e: order[id(e)]) if blocks else None
+    lines = [f"the peak came with: {frames(last)}" if last else "no blocks"]
+    lines += [f"{e['size'] / tokens / 1024:6.2f} KiB/token  {frames(e)}"
+              for e in sorted(blocks.values(), key=lambda e: -e["size"])]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,16 +31,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
 from common import Env, registry
+from tiledmlp.attention.layers import attention_layers
 
 CASES, case = registry()
 VOCAB, T, STEPS, MICRO, LR = 96, 48, 3, 2, 0.1
 PROMPT = 0.6  # share of each sequence's first tokens whose labels are masked
 
 
-def llama(device: torch.device = torch.device("cpu")) -> nn.Module:
+def llama(device: torch.device = torch.device("cpu"), heads: int = 4, kv_heads: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa",
+                         use_cache=False)
     return LlamaForCausalLM(config).to(device)
 
 
@@ -58,9 +60,9 @@ def batches(length: int = T) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return out
 
 
-def reference(device: torch.device, length: int = T) -> nn.Module:
+def reference(device: torch.device, length: int = T, **shape: int) -> nn.Module:
     """One process, the whole sequences, untiled, eager attention (not the one Ulysses replaces)."""
-    model = llama(device)
+    model = llama(device, **shape)
     model.config._attn_implementation = "eager"
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for micro in batches(length):
@@ -72,7 +74,7 @@ def reference(device: torch.device, length: int = T) -> nn.Module:
 
 
 @contextlib.contextmanager
-def ulysses(env: Env) -> Iterator[Any]:
+def ulysses(env: Env, **shape: int) -> Iterator[Any]:
     """DeepSpeed's Ulysses over every rank (its mpu), undone on exit: sdpa restored, its groups released."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -82,7 +84,7 @@ def ulysses(env: Env) -> Iterator[Any]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
-        yield UlyssesSPAttentionHF.register_with_transformers(llama(), "sdpa", env.world, micro_batch_size=1)
+        yield UlyssesSPAttentionHF.register_with_transformers(llama(**shape), "sdpa", env.world, micro_batch_size=1)
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         parallel_state_sp._release_sequence_parallel_groups()
@@ -119,13 +121,23 @@ def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)) for n, w in want.items())
 
 
-def train_without_engine(env: Env, group: Any, how: str, tiled: bool, **options: Any) -> tuple[dict[str, torch.Tensor],
-                                                                                         dict]:
-    """The split run with no engine: gradients averaged over the group by hand (what DDP over it does); ``options``
-    go to ``enable_tiling``."""
-    model = llama(env.device)
+def train_without_engine(env: Env, group: Any, how: str, tiled: bool, shape: dict[str, int],
+                         keeps: Optional[frozenset] = None, **options: Any) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The split run with no engine: gradients averaged over the group by hand (what DDP over it does); ``shape``
+    goes to :func:`llama`, ``options`` to ``enable_tiling``. ``keeps``: checkpointed layers (non-reentrant), their
+    inputs kept on the device and these kinds kept for their recompute (``offload="auto"``'s placement, fixed)."""
+    model = llama(env.device, **shape)
+    if keeps is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if tiled:
         tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01, **options)
+    if keeps:
+        from tiledmlp.offload import checkpointing, host
+
+        host.MIN_BYTES = 0  # the tiny model's layer inputs are a few KB: placed all the same
+
+        layers = model.config.num_hidden_layers
+        checkpointing.layer_placement(model).decide = lambda nbytes: (("gpu",) * layers, (keeps,) * layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for micro in batches():
         for ids, labels in micro:
@@ -135,10 +147,11 @@ def train_without_engine(env: Env, group: Any, how: str, tiled: bool, **options:
             p.grad /= env.world
         opt.step()
         opt.zero_grad()
-    return _params(model), tiledmlp.tiled_modules(model)
+    return _params(model), tiledmlp.tiled_modules(model), attention_layers(model)
 
 
-def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> tuple[dict[str, torch.Tensor], dict,
+                                                                                      dict]:
     """The split run under a DeepSpeed ZeRO engine with ``sequence_parallel_size`` = the world (no clipping)."""
     import deepspeed
     from deepspeed.runtime.zero import GatheredParameters
@@ -160,27 +173,30 @@ def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> 
     with GatheredParameters(list(engine.module.parameters())):
         params = _params(engine.module)
     engine.destroy()
-    return params, strategies
+    return params, strategies, {}
 
 
-def _metrics(env: Env, runs: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> dict[str, Any]:
-    want = _params(reference(env.device))
-    metrics: dict[str, Any] = {f"{name}_rel": _rel(params, want) for name, (params, _) in runs.items()}
-    for name, (params, strategies) in runs.items():
+def _metrics(env: Env, runs: dict[str, tuple[dict[str, torch.Tensor], dict, dict]], **shape: int) -> dict[str, Any]:
+    want = _params(reference(env.device, **shape))
+    metrics: dict[str, Any] = {f"{name}_rel": _rel(params, want) for name, (params, _, _) in runs.items()}
+    for name, (params, strategies, attention) in runs.items():
         if name.startswith("tiled"):
             metrics[f"{name}_strategies"] = sorted(set(strategies.values()))
+            metrics[f"{name}_attention"] = sorted(set(attention.values()))
             twin = "untiled" + name.removeprefix("tiled")
             if twin in runs:
                 metrics[f"{name}_vs_untiled"] = _rel(params, runs[twin][0])
     return metrics
 
 
-def _no_engine(env: Env, **options: Any) -> dict[str, Any]:
-    with ulysses(env) as mpu:
+def _no_engine(env: Env, shape: Optional[dict[str, int]] = None, **options: Any) -> dict[str, Any]:
+    shape = shape or {}
+    with ulysses(env, **shape) as mpu:
         group = mpu.get_sequence_parallel_group()
-        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled, **options)
+        runs = {f"{'tiled' if tiled else 'untiled'}_{how}": train_without_engine(env, group, how, tiled, shape,
+                                                                                 **options)
                 for how in ("trainer", "sequence_loss") for tiled in (False, True)}
-    return _metrics(env, runs)
+    return _metrics(env, runs, **shape)
 
 
 @case
@@ -190,9 +206,76 @@ def ulysses_no_engine(env: Env) -> dict[str, Any]:
 
 @case
 def ulysses_no_engine_attention(env: Env) -> dict[str, Any]:
-    """``attention=True`` and ``norms=True`` under Ulysses: its all-to-all hands SDPA each rank's heads of the whole
-    sequence (the mode takes that call), and q/k/v keep the input norm's input."""
+    """``attention=True`` and ``norms=True`` under Ulysses, q/k/v keeping the input norm's input. 4 heads, 2 KV
+    heads: over 2 ranks one KV head a rank, Ulysses' call computed by ``tiledmlp.attention.ulysses`` (one slot);
+    over 4 Ulysses repeats the KV heads, so it runs its own exchanges and this path takes the SDPA call it makes."""
     return _no_engine(env, attention=True, norms=True, scratch_mib=1e-4)
+
+
+@case
+def ulysses_attention_slots(env: Env) -> dict[str, Any]:
+    """``attention=True`` under Ulysses with 8 heads and 4 KV heads: over 2 ranks two KV-head slots a rank, over 4
+    one, each exchanged and computed in turn (``tiledmlp.attention.ulysses``)."""
+    return _no_engine(env, shape={"heads": 8, "kv_heads": 4}, attention=True, norms=True, scratch_mib=1e-4)
+
+
+@case
+def ulysses_attention_kept(env: Env) -> dict[str, Any]:
+    """Checkpointed layers under Ulysses, ``offload="auto"`` keeping every layer's attention output for its recompute
+    (``tiledmlp.attention.ulysses`` keeps the rank's output and the exchanged log-sum-exps; the recompute exchanges
+    and computes nothing): trained bit for bit as with plain checkpointing (``kept_vs_plain`` 0)."""
+    from tiledmlp.core.regions import ATTENTION
+
+    shape = {"heads": 8, "kv_heads": 4}
+    options = dict(attention=True, norms=True, scratch_mib=1e-4)
+    with ulysses(env, **shape) as mpu:
+        group = mpu.get_sequence_parallel_group()
+        plain = train_without_engine(env, group, "sequence_loss", True, shape, keeps=frozenset(), **options)
+        kept = train_without_engine(env, group, "sequence_loss", True, shape, keeps=frozenset({ATTENTION}),
+                                    offload="auto", **options)
+    return {"kept_vs_plain": max(float((kept[0][n] - p).abs().max()) for n, p in plain[0].items()),
+            "plain_rel": _rel(plain[0], _params(reference(env.device, **shape))),
+            "kept_attention": sorted(set(kept[2].values())), "plain_attention": sorted(set(plain[2].values()))}
+
+
+@case
+def ulysses_plan_meets_measured(env: Env) -> dict[str, Any]:
+    """``plan_memory`` under Ulysses against every measured row of ``tiledmlp.attention.ulysses`` (``bench_sp.py``'s
+    ``tiled+offload+norms+attn`` rows on two GPUs under FSDP2, read from ``benchmarks/results``): the 8B shape built
+    on the meta device, sharded by FSDP2 over these ranks as the benchmark shards it (nothing allocated); each row's
+    device peak against the plan's (relative errors)."""
+    import csv
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    rows = [(path.name, row) for path in sorted(results.glob("bench_sp_*.csv")) for row in csv.DictReader(path.open())
+            if row["variant"] == "tiled+offload+norms+attn" and row.get("shard") == "fsdp2"
+            and row["world"] == str(env.world) and row["peak_gib"] not in ("oom", "error")
+            # rows of tiledmlp before 0.4 ran Ulysses' own exchanges (tiledmlp took its calls from 0.4 on)
+            and tuple(int(n) for n in row["tiledmlp"].split(".")[:2]) >= (0, 4)]
+    if not rows:
+        return {"rows": 0}
+    sys.path.insert(0, str(results.parent))
+    import bench_longctx
+
+    errors = {}
+    for layers in sorted({int(row["layers"]) for _, row in rows}):
+        model = bench_longctx.build_model(dict(bench_longctx.MODELS["8b"], layers=layers), 1 << 20,
+                                          torch.device("meta"), torch.bfloat16)
+        mesh = init_device_mesh("cpu", (env.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for name, row in rows:
+            if int(row["layers"]) == layers:
+                plan = tiledmlp.plan_memory(model, int(row["T"]), sequence_parallel=env.world, norms=True,
+                                            attention=True, offload="cpu", gpu_mib=1 << 20, host_mib=1 << 20)
+                errors[f"{name}:{row['T']}"] = plan.gpu_peak_bytes / (float(row["peak_gib"]) * 2**30) - 1
+    return {"rows": len(rows), "errors": errors}
 
 
 def _zero(env: Env, stage: int) -> dict[str, Any]:

@@ -39,7 +39,7 @@ itemsize + 4)`` bytes per token (8.1 KiB for the 8B shape), from the layer's for
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.profiler import record_function
@@ -49,7 +49,8 @@ from ..core.regions import ATTENTION, CheckpointRegion
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 
 __all__ = ["grouped_attention", "kv_heads_per_call", "attention_scratch_per_token", "kept_bytes_per_token",
-           "kept_for", "sdpa_kernel_name", "backend_name", "KERNELS", "KeptForward"]
+           "kept_for", "sdpa_kernel_name", "backend_name", "KERNELS", "KeptForward", "kernel_forward", "kernel_backward",
+           "call_key", "fits_one_call", "query_heads_per_call", "why_not_grouped", "SDPA_REFUSES"]
 
 aten = torch.ops.aten
 
@@ -80,6 +81,28 @@ def kv_heads_per_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, i
     return 1
 
 
+def fits_one_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int,
+                  scratch_mib: Optional[float] = None) -> bool:
+    """Whether one backward call for all heads keeps its scratch within ``scratch_mib`` (default
+    ``DEFAULT_SCRATCH_MIB``): a sequence short enough to leave SDPA's call whole."""
+    groups = q_heads // kv_heads
+    scratch = attention_scratch_per_token(q_heads, head_dim, groups > 1, itemsize) * tokens
+    return scratch <= (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+
+
+def query_heads_per_call(tokens: int, groups: int, head_dim: int, itemsize: int,
+                         scratch_mib: Optional[float] = None) -> int:
+    """Query heads per backward call of one KV head's ``groups``: the most (dividing ``groups``) whose scratch
+    (:func:`attention_scratch_per_token` x ``tokens``) fits ``scratch_mib``; one when none fits. For a KV head
+    whose query heads' scratch alone outgrows the budget (``tiledmlp.attention.ulysses``: every token of the
+    sequence on one rank)."""
+    budget = (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+    for per_call in sorted((d for d in range(1, groups + 1) if groups % d == 0), reverse=True):
+        if attention_scratch_per_token(per_call, head_dim, per_call > 1, itemsize) * tokens <= budget:
+            return per_call
+    return 1
+
+
 #: SDPA's fused kernels whose forward and backward this module calls (``SDPBackend`` names)
 KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 
@@ -101,9 +124,10 @@ def backend_name(choice: int) -> str:
     return next((name for name, b in SDPBackend.__members__.items() if b.value == choice), str(choice))
 
 
-def _kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                    scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """``kernel``'s forward: ``(output, logsumexp, what its backward needs besides)``."""
+def kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``kernel``'s forward (one of :data:`KERNELS`; the CPU's flash kernel on a CPU): ``(output, logsumexp, what
+    its backward needs besides)``."""
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         return out, lse, ()
@@ -116,8 +140,9 @@ def _kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def _kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: Optional[float], extra: tuple):
+def kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: Optional[float], extra: tuple):
+    """``kernel``'s backward: ``(dq, dk, dv)`` from what :func:`kernel_forward` returned."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, is_causal,
                                                                          scale=scale)
@@ -127,6 +152,38 @@ def _kernel_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.
                                                                  cum_k, max_q, max_k, 0.0, is_causal, scale=scale)
     return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
                                                              0.0, is_causal, seed, offset, scale=scale)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+#: :func:`why_not_grouped`'s answer for a call SDPA itself refuses (fewer KV heads without enable_gqa)
+SDPA_REFUSES = "KV heads fewer than query heads without enable_gqa"
+
+
+def why_not_grouped(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str:
+    """Why :func:`grouped_attention` cannot compute this ``F.scaled_dot_product_attention`` call ("" when it can:
+    causal or unmasked attention without dropout, q/k/v ``[batch, heads, tokens, dim]`` plain tensors, a fused
+    kernel's dtype and head size on a GPU). :data:`SDPA_REFUSES` for a call SDPA itself refuses."""
+    if not all(type(t) is torch.Tensor for t in (q, k, v)):  # noqa: E721 — subclasses (DTensor) are not ours
+        return "tensor subclass inputs (DTensor: torch's context parallelism computes this attention)"
+    if attn_mask is not None:
+        return "an attention mask (padding or packed sequences): this path runs causal masking only"
+    if dropout_p:
+        return "attention dropout"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
+        return "inputs not [batch, heads, tokens, head_dim] with KV heads dividing query heads"
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        return SDPA_REFUSES
+    if is_causal and q.shape[2] != k.shape[2]:
+        return "causal attention over more keys than queries (a KV cache)"
+    if q.device.type == "cuda":
+        if q.dtype not in FLASH_DTYPES:
+            return f"{q.dtype} on a GPU: the fused kernels take float16 and bfloat16"
+        if q.shape[-1] > FLASH_MAX_HEAD_DIM or q.shape[-1] % 8:
+            return f"head size {q.shape[-1]}: the fused kernels take multiples of 8 up to {FLASH_MAX_HEAD_DIM}"
+    elif q.device.type != "cpu":
+        return f"device {q.device.type}: no fused kernel here"
+    return ""
 
 
 class KeptForward(NamedTuple):
@@ -143,7 +200,8 @@ class KeptForward(NamedTuple):
         return self.call == call and self.out._version == self.version
 
 
-def _call_key(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: Optional[float], kernel: str) -> tuple:
+def call_key(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: Optional[float], kernel: str) -> tuple:
+    """What a kept forward was computed for (``KeptForward.call``)."""
     return (q.shape, k.shape, q.dtype, q.device, is_causal, scale, kernel)
 
 
@@ -160,9 +218,9 @@ class _GroupedAttention(torch.autograd.Function):
             out, lse, extra = kept.out, kept.lse, kept.extra
         else:
             with record_function("tiledmlp::attention_forward"):
-                out, lse, extra = _kernel_forward(kernel, q, k, v, is_causal, scale)
+                out, lse, extra = kernel_forward(kernel, q, k, v, is_causal, scale)
         if keep is not None:
-            keep(KeptForward(out.detach(), lse, extra, out._version, _call_key(q, k, is_causal, scale, kernel)))
+            keep(KeptForward(out.detach(), lse, extra, out._version, call_key(q, k, is_causal, scale, kernel)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.extra, ctx.is_causal, ctx.scale, ctx.kv_per_call, ctx.kernel = extra, is_causal, scale, kv_per_call, kernel
         return out
@@ -177,7 +235,7 @@ class _GroupedAttention(torch.autograd.Function):
             for h in range(0, k.shape[1], step):
                 qs, ks = slice(h * groups, (h + step) * groups), slice(h, h + step)
                 # The log-sum-exp is read as a dense [batch, heads, tokens] block: one group's heads made contiguous.
-                gq, gk, gv = _kernel_backward(ctx.kernel, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                gq, gk, gv = kernel_backward(ctx.kernel, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
                                               lse[:, qs].contiguous(), ctx.is_causal, ctx.scale, ctx.extra)
                 dq[:, qs].copy_(gq)
                 dk[:, ks].copy_(gk)
@@ -209,12 +267,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
     return _GroupedAttention.apply(q, k, v, is_causal, scale, kv_per_call, kernel, kept, keep)
 
 
-def kept_for(region: CheckpointRegion, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: Optional[float],
-             kernel: str) -> Optional[KeptForward]:
-    """In a recompute of ``region``: what its forward kept for this call, if it still serves it (design note); None
-    otherwise, said once when something was kept but cannot serve."""
+def kept_for(region: CheckpointRegion, call: tuple) -> Optional[KeptForward]:
+    """In a recompute of ``region``: what its forward kept for this call (``call``: :func:`call_key`'s, or
+    ``ulysses_call_key``'s), if it still serves it (design note); None otherwise, said once when something was kept
+    but cannot serve."""
     kept = region.take(ATTENTION)
-    if kept is not None and not kept.serves(_call_key(q, k, is_causal, scale, kernel)):
+    if kept is not None and not kept.serves(call):
         warn_once(("kept attention unused",), "attention: a recompute did not reuse the attention output its "
                   "forward kept (changed in place since, or computed for other inputs); the kernel ran again")
         return None

@@ -1,24 +1,10 @@
 """Long-context attention blocks with less memory per token: ``enable_tiling(model, attention=True)``.
 
 Each layer's SDPA call computed by :func:`tiledmlp.attention.grouped.grouped_attention` (the core's backward in
-groups of KV heads; its design note says why and at what cost), and q/k/v of a tiled norm's output keeping the
-norm's input. Measured on an H100 (Llama-3.1-8B shape, full fine-tuning): 96.7 -> 60.6 KiB per token, the step no
+groups of KV heads; its design note says why and at what cost) or, under DeepSpeed's Ulysses,
+:func:`tiledmlp.attention.ulysses.ulysses_attention`, and q/k/v of a tiled norm's output keeping the norm's input
+(``norm_outputs``). Measured on an H100 (Llama-3.1-8B shape, full fine-tuning): 96.7 -> 60.6 KiB per token, the step no
 slower (``docs/long-context.md``).
-
-Design note — the norm's output, recomputed
--------------------------------------------
-q, k and v keep their input — the input norm's output, ``tokens x hidden`` — for their weight gradients, from the
-layer's recompute to the end of its backward, through the attention core's and the MLP's backward (the peaks).
-With ``norms=True`` that output comes from a tiled norm, which keeps its own input (the layer's input, alive
-anyway) and can compute the output again bit for bit (its tiled forward, the same shards). Under
-``attention=True`` the tiled norm remembers, weakly, which tensor it returned from which input
-(:func:`remember_norm_output`); a ``F.linear`` call
-on that tensor inside an attention scope (below) is computed by :class:`_LinearOfNorm`, which keeps the norm's
-input instead and computes the norm's output again in its backward, after the attention core's: the same GEMMs
-on the same bits, the same gradients; one ``tokens x hidden`` tensor less at the peaks. Cost: the norm once more
-per projection in backward (a few memory-bound passes). Left as before: under autocast (the weight is cast, and
-autograd's cast node keeps the cast), compiled code, tensor subclasses (TP's ``DTensor``), a LoRA layer tiled
-itself (``projections=True``: it keeps its input in its own node).
 
 Design note — where the call is taken
 -------------------------------------
@@ -40,6 +26,10 @@ A grouped call inside a checkpointed layer that ``offload="auto"``'s plan lets k
 (``tiledmlp.core.regions``) keeps it from the forward for the recompute, which then runs no attention forward
 (``grouped.py``, design note "the forward's output kept"); counted per layer in :func:`describe`.
 
+Under DeepSpeed's Ulysses the block's mode also takes the calls of Ulysses' own attention module, exchanges and all
+(:meth:`GroupedAttentionMode.ulysses`; ``ulysses.py``, design note "where the call is taken"): its SDPA call is then
+never made.
+
 Each reason is logged once and counted per layer in :func:`describe`, so a model that never reaches this path
 says why. A block that calls no SDPA (an ``"eager"`` attention of matmul and softmax) is reported as such. Under
 ``torch.compile`` the mode and the grouped function are traced like the rest of the layer.
@@ -49,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from collections import Counter
 from typing import Any, Callable, Container, Optional
 
@@ -57,123 +46,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.profiler import record_function
 
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION, current_region
-from .grouped import KERNELS, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name
+from .norm_outputs import LINEAR, linear_of_norm_output, norm_outputs_remembered
+from .grouped import (KERNELS, SDPA_REFUSES, call_key, fits_one_call, grouped_attention, kept_for, kv_heads_per_call,
+                      query_heads_per_call, sdpa_kernel_name, why_not_grouped)
+from .ulysses import in_block, install_ulysses, slot_kernel, ulysses_attention, ulysses_call_key, ulysses_why_not
 
-__all__ = ["remember_norm_output", "GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
+__all__ = ["GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
            "uninstall_attention", "attention_layers", "reduce_layer_method"]
 
 _SDPA = F.scaled_dot_product_attention  # the original, whatever replaces the module attribute later
 _MODE_ATTR = "_tiledmlp_attention_mode"
 _SAVED_ATTR = "_tiledmlp_attention_saved"
 _CHECK_ATTR = "_tiledmlp_attention_check"  # a stack layer's _NoAttentionSeen hook handle
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_FLASH_MAX_HEAD_DIM = 256
-#: _why_not's answer for a call SDPA itself refuses (fewer KV heads without enable_gqa): left to raise, not counted
-_SDPA_REFUSES = "KV heads fewer than query heads without enable_gqa"
-
-
-# --- projections of a tiled norm's output (design note "the norm's output, recomputed") ----------------------------
-
-_LINEAR = F.linear
-#: id(norm output) -> (the output, weakly; the norm's input, weakly; how to compute the output again from it)
-_NORM_OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, Callable[[torch.Tensor], torch.Tensor]]] = {}
-
-
-def remember_norm_output(out: torch.Tensor, x: torch.Tensor, recompute: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Called by a tiled normalization layer with its output ``out``, its input ``x`` and ``recompute(x) == out``
-    (bitwise): a projection of ``out`` in an attention scope may then keep ``x`` instead. Called for the norms of a
-    model with ``attention=True`` only (their state's ``remembers_output``). Eager only; holds neither tensor (an
-    entry goes with its output). Cost: a dictionary entry and a finalizer per call."""
-    if not out.requires_grad or not torch.is_grad_enabled():
-        return
-    key = id(out)
-    _NORM_OUTPUTS[key] = (weakref.ref(out), weakref.ref(x), recompute)
-    weakref.finalize(out, _NORM_OUTPUTS.pop, key, None)
-
-
-def _norm_input_of(t: Any) -> Optional[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
-    entry = _NORM_OUTPUTS.get(id(t))
-    if entry is None or entry[0]() is not t:
-        return None
-    x = entry[1]()
-    return None if x is None else (x, entry[2])
-
-
-class _LinearOfNorm(torch.autograd.Function):
-    """``F.linear(xn, weight, bias)`` where ``xn = recompute(x)`` is a tiled norm's output: saves ``x`` (which the
-    norm saves anyway) instead of ``xn``, and computes ``xn`` again for the weight's gradient. The same GEMMs as
-    autograd's linear backward on the same (bitwise recomputed) input: the same gradients."""
-
-    @staticmethod
-    def forward(ctx, xn: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                recompute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.recompute = recompute
-        return _LINEAR(xn, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        needs_xn, _, needs_w, needs_b, _ = ctx.needs_input_grad
-        rows = dy.reshape(-1, dy.shape[-1])
-        dxn = dy.matmul(weight) if needs_xn else None
-        dw = db = None
-        if needs_w:
-            with record_function("tiledmlp::norm_recompute"), torch.no_grad():
-                xn = ctx.recompute(x)
-            dw = rows.t().mm(xn.reshape(-1, xn.shape[-1]))
-            del xn
-        if needs_b:
-            db = rows.sum(0)
-        return dxn, None, dw, db, None
-
-
-def _keeps_its_input(xn: torch.Tensor, weight: Any, bias: Any) -> bool:
-    """Whether a linear call of a norm's output must keep its input (autocast casts, tensor subclasses, compiling)."""
-    return (torch.compiler.is_compiling() or torch.is_autocast_enabled(xn.device.type)
-            or not all(t is None or isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter)
-                       for t in (weight, bias))
-            or weight.dtype != xn.dtype)
-
-
-def _why_not(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str:
-    """Why an SDPA call runs untouched ("" when this path takes it)."""
-    if not all(type(t) is torch.Tensor for t in (q, k, v)):  # noqa: E721 — subclasses (DTensor) are not ours
-        return "tensor subclass inputs (DTensor: torch's context parallelism computes this attention)"
-    if attn_mask is not None:
-        return "an attention mask (padding or packed sequences): this path runs causal masking only"
-    if dropout_p:
-        return "attention dropout"
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
-        return "inputs not [batch, heads, tokens, head_dim] with KV heads dividing query heads"
-    if k.shape[1] != q.shape[1] and not enable_gqa:
-        return _SDPA_REFUSES
-    if is_causal and q.shape[2] != k.shape[2]:
-        return "causal attention over more keys than queries (a KV cache)"
-    if q.device.type == "cuda":
-        if q.dtype not in _FLASH_DTYPES:
-            return f"{q.dtype} on a GPU: the fused kernels take float16 and bfloat16"
-        if q.shape[-1] > _FLASH_MAX_HEAD_DIM or q.shape[-1] % 8:
-            return f"head size {q.shape[-1]}: the fused kernels take multiples of 8 up to {_FLASH_MAX_HEAD_DIM}"
-    elif q.device.type != "cpu":
-        return f"device {q.device.type}: no fused kernel here"
-    return ""
 
 
 class GroupedAttentionMode(TorchFunctionMode):
     """Takes ``F.scaled_dot_product_attention`` calls that :func:`grouped_attention` can compute (design note);
     counts, per reason, the calls it leaves to the original. Every other function passes through unchanged."""
 
-    def __init__(self, scratch_mib: Optional[float] = None) -> None:
+    def __init__(self, scratch_mib: Optional[float] = None,
+                 find_ulysses: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> None:
         super().__init__()
         self.scratch_mib = scratch_mib
+        self.find_ulysses = find_ulysses  # asked once, at the block's first training call
         self.grouped = 0  # calls computed by grouped_attention
         self.whole = 0  # calls short enough for one group: the original call
         self.untouched: Counter[str] = Counter()  # reason -> calls left to the original
+        self.exchanged = 0  # Ulysses calls computed by ulysses_attention
+        self.ulysses_untouched: Counter[str] = Counter()  # reason -> Ulysses calls left to DeepSpeed's forward
         self.of_norm = 0  # projections of a tiled norm's output that kept the norm's input instead
         self.kept = 0  # grouped calls whose forward kept its output for the layer's recompute
         self.reused = 0  # recomputes that reused a kept output instead of running the kernel
@@ -183,16 +86,12 @@ class GroupedAttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA:
             return self._attention(*args, **kwargs)
-        if func is _LINEAR and _NORM_OUTPUTS and torch.is_grad_enabled():
-            return self._linear(*args, **kwargs)
+        if func is LINEAR and norm_outputs_remembered() and torch.is_grad_enabled():
+            out = linear_of_norm_output(*args, **kwargs)
+            if out is not None:
+                self.of_norm += 1
+                return out
         return func(*args, **kwargs)
-
-    def _linear(self, xn, weight, bias=None):
-        found = _norm_input_of(xn)
-        if found is None or _keeps_its_input(xn, weight, bias):
-            return _LINEAR(xn, weight, bias)
-        self.of_norm += 1
-        return _LinearOfNorm.apply(xn, found[0], weight, bias, found[1])
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
@@ -201,8 +100,8 @@ class GroupedAttentionMode(TorchFunctionMode):
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad
                                                   for t in (query, key, value)):
             return call()
-        why = _why_not(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-        if why == _SDPA_REFUSES:
+        why = why_not_grouped(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if why == SDPA_REFUSES:
             return call()  # it raises, as it would untiled
         if why:
             return self._untouched(why, call)
@@ -216,16 +115,52 @@ class GroupedAttentionMode(TorchFunctionMode):
             return self._untouched(f"torch runs its {kernel} kernel for these inputs, which this path does not call",
                                    call)
         self.grouped += 1
-        kept = keep = None
-        region = None if torch.compiler.is_compiling() else current_region()  # compiled layers keep nothing
-        if region is not None and ATTENTION in region.keeps:
-            if region.recomputing:
-                kept = kept_for(region, query, key, is_causal, scale, kernel)
-                self.reused += kept is not None
-            else:
-                keep = functools.partial(region.put, ATTENTION)
-                self.kept += 1
+        kept, keep = self._kept_or_keep(call_key(query, key, is_causal, scale, kernel))
         return grouped_attention(query, key, value, is_causal, scale, per_call, kernel, kept, keep)
+
+    def _kept_or_keep(self, call: tuple) -> tuple[Optional[Any], Optional[Callable[[Any], None]]]:
+        """In a checkpointed layer whose plan keeps attention outputs: in its recompute what its forward kept for
+        ``call``, in its forward where to keep it; else neither."""
+        region = None if torch.compiler.is_compiling() else current_region()  # compiled layers keep nothing
+        if region is None or ATTENTION not in region.keeps:
+            return None, None
+        if region.recomputing:
+            kept = kept_for(region, call)
+            self.reused += kept is not None
+            return kept, None
+        self.kept += 1
+        return None, functools.partial(region.put, ATTENTION)
+
+    def ulysses(self, ulysses: Any, original: Callable[..., Any], module: nn.Module, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call of DeepSpeed's Ulysses attention ``ulysses`` (``original``: its own forward) in this block:
+        computed by :func:`~tiledmlp.attention.ulysses.ulysses_attention` where it gives what ``original`` gives
+        (design note "where the call is taken"), else ``original``, whose SDPA call this mode then takes."""
+        run = functools.partial(original, module, query, key, value, attention_mask, *args, **kwargs)
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (query, key, value)):
+            return run()
+        why = ulysses_why_not(ulysses, module, query, key, value, kwargs)
+        if why:
+            self.ulysses_untouched[why] += 1
+            warn_once(("ulysses", why), "attention=True: Ulysses' attention runs as DeepSpeed computes it (its "
+                      "exchanges hold whole copies of q, k, v and the output): %s", why)
+            return run()
+        group, world = ulysses.process_group, ulysses.world_size
+        heads, kv_heads = query.shape[1] // world, key.shape[1] // world
+        tokens, itemsize, dim = query.shape[2] * world, query.element_size(), query.shape[-1]
+        if fits_one_call(tokens, heads, kv_heads, dim, itemsize, self.scratch_mib):
+            return run()  # short: Ulysses' own exchanges, and SDPA's call whole (this mode counts it)
+        per_call = kv_heads_per_call(tokens, heads, kv_heads, dim, itemsize, self.scratch_mib)
+        q_per_call = (query_heads_per_call(tokens, heads // kv_heads, dim, itemsize, self.scratch_mib)
+                      if per_call == 1 else None)
+        scale = kwargs.get("scaling")
+        kernel = slot_kernel(query, key, heads // kv_heads * per_call, per_call, scale)
+        if kernel not in KERNELS:
+            return run()  # this mode's SDPA path says why, for the same kernel
+        self.exchanged += 1
+        kept, keep = self._kept_or_keep(ulysses_call_key(query, key, True, scale, kernel))
+        out = ulysses_attention(query, key, value, group, True, scale, per_call, q_per_call, kernel, kept, keep)
+        return out.transpose(1, 2).flatten(2), None  # [batch, tokens, heads x dim], as Ulysses returns it
 
     def _untouched(self, why: str, call: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The original call, counted under ``why`` and said once."""
@@ -237,11 +172,14 @@ class GroupedAttentionMode(TorchFunctionMode):
     @property
     def calls(self) -> int:
         """SDPA calls needing a gradient seen so far (taken or not)."""
-        return self.grouped + self.whole + sum(self.untouched.values())
+        return self.grouped + self.whole + sum(self.untouched.values()) + self.exchanged
 
     def report(self) -> str:
         """What this layer's attention calls did, in words ("" before any call needing a gradient)."""
         parts = []
+        if self.exchanged:
+            parts.append(f"{self.exchanged} Ulysses call(s) exchanged and computed per KV-head slot")
+        parts += [f"{n} Ulysses call(s) as DeepSpeed computes them: {why}" for why, n in self.ulysses_untouched.items()]
         if self.grouped:
             parts.append(f"{self.grouped} call(s) with the backward in KV-head groups")
         if self.whole:
@@ -290,7 +228,14 @@ def _layer_method(layer: nn.Module, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     mode.entered += 1
-    with mode:
+    if torch.compiler.is_compiling():  # compiled blocks leave Ulysses' calls to its own (traceable) forward
+        with mode:
+            return forward(*args, **kwargs)
+    if mode.find_ulysses is not None:
+        ulysses, mode.find_ulysses = mode.find_ulysses(layer), None
+        if ulysses is not None:
+            install_ulysses(ulysses)
+    with in_block(mode), mode:
         return forward(*args, **kwargs)
 
 
@@ -318,14 +263,17 @@ class _NoAttentionSeen:
         self.seen = seen
 
 
-def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scratch_mib: Optional[float]) -> None:
+def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scratch_mib: Optional[float],
+                      find_ulysses: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> None:
     """Run each of ``layers``' forward (:func:`attention_scopes`) under its own :class:`GroupedAttentionMode`
     (restoring any earlier one first). The tiled norms' outputs are remembered for q/k/v
-    (:func:`remember_norm_output`) only where their state says so: ``enable_tiling`` sets it with this call."""
+    (:func:`remember_norm_output`) only where their state says so: ``enable_tiling`` sets it with this call.
+    ``find_ulysses``: asked, at a block's first training call, for the DeepSpeed Ulysses module running its
+    attention (:func:`install_ulysses`)."""
     uninstall_attention(model)
     for _, layer in layers:
         layer.__dict__[_SAVED_ATTR] = layer.__dict__.get("forward")
-        layer.__dict__[_MODE_ATTR] = GroupedAttentionMode(scratch_mib)
+        layer.__dict__[_MODE_ATTR] = GroupedAttentionMode(scratch_mib, find_ulysses)
         layer.forward = _layer_forward_of(layer)
     for name, layer in layer_stack(model) if layers else ():
         modes = [m.__dict__[_MODE_ATTR] for n, m in layers if n == name or n.startswith(name + ".")]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SequenceSplit", "split_of", "sequence_loss"]
+__all__ = ["SequenceSplit", "split_of", "sequence_loss", "ulysses_module"]
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,33 @@ def _ulysses_group() -> Any:
     return getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
 
 
-def _ulysses_attention(model: nn.Module) -> bool:
-    """Whether the model's attention implementation is DeepSpeed's Ulysses wrapper (``register_with_transformers``
-    puts it in place of the core implementation it wraps)."""
+def _ulysses_wrapper(model: nn.Module) -> Any:
+    """The model's attention implementation when it is DeepSpeed's Ulysses wrapper (``register_with_transformers``
+    puts it in place of the core implementation it wraps), else None."""
     functions = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if functions is None or not isinstance(implementation, str) or implementation not in functions:
-        return False
-    return "uattn_wrapper" in getattr(functions[implementation], "__qualname__", "")
+        return None
+    function = functions[implementation]
+    return function if "uattn_wrapper" in getattr(function, "__qualname__", "") else None
+
+
+def _ulysses_attention(model: nn.Module) -> bool:
+    return _ulysses_wrapper(model) is not None
+
+
+def ulysses_module(model: nn.Module) -> Optional[nn.Module]:
+    """DeepSpeed's ``UlyssesSPAttentionHF`` instance that ``model``'s attention calls (the module its
+    ``register_with_transformers`` wrapper closes over), when ``model``'s sequence is split by Ulysses; else None."""
+    split = split_of(model)
+    if split is None or split.kind != "sp":
+        return None
+    for module in model.modules():
+        wrapper = _ulysses_wrapper(module) if hasattr(module, "config") else None
+        if wrapper is not None and "uattn" in wrapper.__code__.co_freevars:
+            return wrapper.__closure__[wrapper.__code__.co_freevars.index("uattn")].cell_contents
+    return None
 
 
 def _cp_size(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ from ..core.accumulate import check_accum_dtype
 from ..core.sharding import LOSS_MODES, ShardPolicy, check_budget_mib
 from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.selection import STRATEGY_NAMES
+from ..distributed.sequence_parallel import ulysses_module
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
 from ..plan.memory import StepOptions
@@ -202,7 +203,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
                           if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
     model.__dict__[OPTIONS_ATTR] = step
     install_offload(model, offload_layers, AutoPlacement(model, step) if offload == "auto" else None)
-    install_attention(model, layers, policy.scratch_mib)
+    # A block's first training call finds DeepSpeed's Ulysses, if it runs the block's attention by then (a Trainer
+    # registers it after the model is tiled): its calls there exchange per KV-head slot (tiledmlp.attention.ulysses).
+    install_attention(model, layers, policy.scratch_mib, find_ulysses=ulysses_module)
     # A tiled norm remembers which output it returned from which input only where q/k/v may take it
     # (tiledmlp.attention): elsewhere nothing would read it.
     for state in states.values():

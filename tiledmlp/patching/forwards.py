@@ -15,7 +15,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from ..attention.layers import reduce_layer_method, remember_norm_output
+from ..attention.layers import reduce_layer_method
+from ..attention.norm_outputs import remember_norm_output
 from ..core.compiled import autocast_name, tiled_call
 from ..core.function import in_shard
 from ..core.logs import warn_once, warn_once_traced

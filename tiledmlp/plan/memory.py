@@ -57,21 +57,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
+from ..attention.grouped import (attention_scratch_per_token, fits_one_call, kept_bytes_per_token, kv_heads_per_call,
+                                 query_heads_per_call)
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 from ..offload import host
 from .shapes import ModelShape
 
-__all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak",
-           "arrange", "place", "working_bytes_per_token", "scratch_bytes", "attention_kept_bytes", "Placed"]
+__all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak", "arrange", "place",
+           "working_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes", "attention_kept_bytes",
+           "Placed"]
 
 GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"
 Placed = tuple[tuple[str, ...], tuple[bool, ...]]  # each layer's input place, whether it keeps its attention output
-
-#: measured / modelled per-token slope of the step's peak (Llama-3.1-8B shape, bf16, one H100 80GB,
-#: ``benchmarks/results/bench_longctx_nvidia-h100-80gb-hbm3_8b_attn_*.csv``): with ``attention=True`` 65.2 KiB per
-#: token measured between 128K and 768K against 60.1 modelled; without, 96.7 against 96.1
-CALIBRATION = {True: 65.2 / 60.125, False: 96.7 / 96.125}
 
 #: per token, untiled norms add their float32 copies of the input and their outputs in each layer's recompute:
 #: measured 4.23 GiB at 128K tokens of the Llama-3.2-1B shape (hidden 2048, bf16, H200: 14.95 -> 10.72 GiB with
@@ -92,6 +89,7 @@ class StepOptions:
     scratch_mib: Optional[float] = None  # the shard policy's scratch budget (the attention core's groups)
     gpu_mib: Optional[float] = None  # the budgets given to enable_tiling (None: what the process may use)
     host_mib: Optional[float] = None
+    ulysses: int = 1  # the ranks of a Ulysses split (DeepSpeed's): with attention=True, tiledmlp.attention.ulysses
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
@@ -119,11 +117,44 @@ def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> 
                              options.scratch_mib)
 
 
+def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> Optional[int]:
+    """Under a Ulysses split with ``attention=True``, the backward's scratch of one KV-head slot over the whole
+    sequence (``tiledmlp.attention.ulysses``, design notes): the kernel's for the query heads of a call and the KV
+    heads' dk, dv, the slot's exchanged q, output, output gradient, k and v, and, where a KV head's query heads are
+    split over calls, dk and dv summed in float32. None where the calls are short enough to run as Ulysses does."""
+    world = options.ulysses
+    whole, heads, kv_heads = tokens * world, shape.heads // world, shape.kv_heads // world
+    d, a, scratch = shape.head_dim, shape.act_itemsize, options.scratch_mib
+    if world < 2 or not kv_heads or fits_one_call(whole, heads, kv_heads, d, a, scratch):
+        return None
+    per_call = kv_heads_per_call(whole, heads, kv_heads, d, a, scratch)
+    groups = heads // kv_heads
+    q_heads = query_heads_per_call(whole, groups, d, a, scratch) if per_call == 1 else per_call * groups
+    split = q_heads < per_call * groups
+    kernel = attention_scratch_per_token(q_heads, d, q_heads > per_call, a) + (
+        0 if q_heads > per_call else 2 * per_call * d * a)  # dk and dv of the call, where not expanded
+    exchanged = (3 * q_heads + 2 * per_call) * d * a
+    summed = 2 * per_call * d * 4 if split else 0
+    return whole * (kernel + exchanged + summed)
+
+
+def ulysses_working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
+    """Bytes per local token of a layer's backward inside a Ulysses slot's backward (design note "under Ulysses"):
+    the attention's saved q, k, v, output and log-sum-exp, the output's gradient, the gradient into the layer, dq, dk
+    and dv, the layer input (and, unless ``norms=True``, the untiled norms' copies)."""
+    a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
+    modelled = 2 * (q + 2 * kv) * a + 2 * q * a + shape.heads * 4 + 2 * h * a
+    return modelled + (0 if options.norms else UNTILED_NORMS_HIDDEN_VECTORS * h * a)
+
+
 def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
     """The scratch of the tiled computation at a layer's backward peak (design note): with ``attention=True`` the
-    larger of the shard budget and one call's KV-head groups' backward scratch; 0 without (a per-token term)."""
+    larger of the shard budget and one call's KV-head groups' backward scratch (under Ulysses the shard budget: a
+    slot's is :func:`_ulysses_slot_bytes`, at a moment of its own); 0 without (a per-token term)."""
     if not options.attention:
         return 0
+    if _ulysses_slot_bytes(shape, options, tokens) is not None:
+        return int((options.scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20)
     groups = shape.heads // shape.kv_heads
     per_call = _kv_heads_per_call(shape, options, tokens)
     attention = attention_scratch_per_token(per_call * groups, shape.head_dim, groups > 1, shape.act_itemsize)
@@ -133,7 +164,12 @@ def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
 def attention_kept_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
     """Bytes one layer's kept attention output takes for ``tokens`` local tokens; 0 where nothing can be kept (no
     ``attention=True``, or calls short enough to run ungrouped, which keep nothing)."""
-    if not options.attention or _kv_heads_per_call(shape, options, tokens) == shape.kv_heads:
+    if not options.attention:
+        return 0
+    if options.ulysses > 1:  # tiledmlp.attention.ulysses keeps the rank's output and the exchanged log-sum-exps
+        if _ulysses_slot_bytes(shape, options, tokens) is None:
+            return 0
+    elif _kv_heads_per_call(shape, options, tokens) == shape.kv_heads:
         return 0
     return tokens * kept_bytes_per_token(shape.heads, shape.head_dim, shape.act_itemsize)
 
@@ -169,7 +205,14 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     per_token = working_bytes_per_token(shape, options)
     scratch = scratch_bytes(shape, options, tokens)
     working = int(tokens * per_token) + scratch
-    fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes)]
+    slot = _ulysses_slot_bytes(shape, options, tokens)
+    if slot is not None:  # under Ulysses the layer's backward peaks in the MLP's (above) or in a slot's
+        in_slot = ulysses_working_bytes_per_token(shape, options)
+        if int(tokens * in_slot) + slot > working:
+            per_token, scratch, working = in_slot, slot, int(tokens * in_slot) + slot
+    fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes),
+             Term("parameters gathered whole", GPU, shape.gathered_bytes,
+                  "FSDP2: the root unit's and the layer's, the root's gradients")]
     candidates, on_gpu_below, keeps_below = [], 0, 0
     grads_from_i, chain = shape.grad_bytes - shape.embedding_grad_bytes, 0
     for i in range(n):

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
+from ..distributed.sequence_parallel import split_of
 from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
@@ -178,6 +179,7 @@ def longest_tokens(shape: ModelShape, options: StepOptions, gpu: Optional[int], 
 def _plan(shape: ModelShape, options: StepOptions, seq_len: int, batch_size: int, split: int, gpu: Optional[int],
           host: Optional[int]) -> MemoryPlan:
     tokens = seq_len * batch_size // split
+    options = replace(options, ulysses=split if options.ulysses > 1 else 1)
     (places, keeps), peak = place(shape, options, tokens, gpu, host)
     longest = longest_tokens(shape, options, gpu, host) * split // batch_size
     return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest)
@@ -188,7 +190,9 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
                 host_mib: Optional[float] = None, **options: Any) -> MemoryPlan:
     """The memory of one training step of ``model`` (a Hugging Face causal LM with checkpointed layers, bare or
     wrapped, tiled or not) for ``batch_size`` sequences of ``seq_len`` tokens, split over ``sequence_parallel``
-    ranks: per rank, the device and host peaks and their terms, the placement of each checkpointed layer's input
+    ranks (DeepSpeed's Ulysses, whose attention ``attention=True`` computes with ``tiledmlp.attention.ulysses``; a
+    model split by torch's ring, ``split_of`` ``"cp"``, is planned by its local tokens only, a projection no
+    measurement checked): per rank, the device and host peaks and their terms, the placement of each checkpointed layer's input
     (``offload="auto"``: kept, host or recomputed, see ``tiledmlp.plan.memory``), whether it fits ``gpu_mib`` /
     ``host_mib`` (default: those ``model`` was tiled with, else what this process may use now) and the longest
     length that does; under ``offload="auto"``, which layers keep their attention output for the recompute with
@@ -212,6 +216,8 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
                          f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
                          "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
     step = step_options(model, optimizer, **options)
+    split = split_of(model)
+    step = replace(step, ulysses=sequence_parallel if split is None or split.kind == "sp" else 1)
     gpu, host = budgets(model, step.gpu_mib if gpu_mib is None else gpu_mib,
                         step.host_mib if host_mib is None else host_mib)
     return _plan(shape, step, seq_len, batch_size, sequence_parallel, gpu, host)
@@ -290,7 +296,10 @@ class AutoPlacement:
         shape = model_shape(self.model)
         tokens = nbytes // shape.layer_input_bytes_per_token
         gpu, host = budgets(self.model, self.options.gpu_mib, self.options.host_mib)
-        plan = _plan(shape, replace(self.options, optimizer_bytes=other), tokens, 1, 1, gpu, host)
+        split = split_of(self.model)
+        ulysses = split.size if split is not None and split.kind == "sp" else 1
+        plan = _plan(shape, replace(self.options, optimizer_bytes=other, ulysses=ulysses), tokens * ulysses, 1,
+                     ulysses, gpu, host)
         if not plan.fits:
             raise MemoryError(f"tiledmlp offload='auto': {refusal(plan, shape)}")
         log.info("offload='auto' at %s tokens: layer inputs %s; device peak ~%s, host %s", f"{tokens:,}",

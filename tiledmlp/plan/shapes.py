@@ -41,6 +41,7 @@ class ModelShape:
     embedding_grad_bytes: int  # the input embedding's, allocated after every layer's backward
     trainable_bytes: int
     layer_grad_bytes: tuple[int, ...]  # each checkpointed layer's trainable bytes, in forward order
+    gathered_bytes: int = 0  # FSDP2: the whole parameters its units hold gathered at a layer's backward
 
     @property
     def q_width(self) -> int:
@@ -95,6 +96,7 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> Mo
         embedding = None  # tied: its gradient comes with the head's, first in backward
     trainable = [p for p in params if p.requires_grad]
     layers = checkpointing_modules(model)
+    in_layers = {id(p) for m in layers for p in m.parameters()}
     return ModelShape(
         hidden=config.hidden_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, vocab=config.vocab_size, layers=config.num_hidden_layers,
@@ -103,4 +105,23 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> Mo
         grad_bytes=sum(local_bytes(p) for p in trainable),
         embedding_grad_bytes=local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0,
         trainable_bytes=sum(local_bytes(p) for p in trainable),
-        layer_grad_bytes=tuple(sum(local_bytes(p) for p in m.parameters() if p.requires_grad) for m in layers))
+        layer_grad_bytes=tuple(sum(local_bytes(p) for p in m.parameters() if p.requires_grad) for m in layers),
+        gathered_bytes=_gathered_bytes([p for p in params if id(p) not in in_layers],
+                                       [list(m.parameters()) for m in layers], embedding))
+
+
+def _gathered_bytes(outside: list[torch.Tensor], layers: list[list[torch.Tensor]],
+                    embedding: Optional[torch.Tensor]) -> int:
+    """What FSDP2 (parameters that are ``DTensor`` shards) holds whole at a layer's backward beyond the shards: the
+    root unit's parameters (the embeddings, the final norm, the head: not resharded between forward and backward),
+    the layer's own (twice where another layer is there to prefetch), and the root's gradients but the input
+    embedding's (reduce-scattered only once the embedding's, last in backward, is made) less their shards; 0 for
+    parameters that are not FSDP2's. Measured on two H100s (8B shape, one layer): 2.0 GiB of root and 0.41 GiB of
+    layer parameters, the head's 1.0 GiB gradient (``benchmarks/results/profile_layer_memory_sp_*``)."""
+    def whole(tensors: list[torch.Tensor]) -> int:
+        return sum(p.numel() * p.element_size() for p in tensors if hasattr(p, "to_local"))
+
+    layer = max((whole(ps) for ps in layers), default=0)
+    root_grads = [p for p in outside if p.requires_grad and p is not embedding]
+    unsharded_grads = whole(root_grads) - sum(local_bytes(p) for p in root_grads if hasattr(p, "to_local"))
+    return whole(outside) + layer * min(len(layers), 2) + unsharded_grads

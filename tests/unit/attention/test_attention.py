@@ -165,7 +165,7 @@ def test_projections_of_the_norm_keep_its_input_not_its_output():
     assert outputs[0]() is not None
     del kept
     # norms tiled without attention=True remember nothing (no per-call bookkeeping where nothing reads it)
-    from tiledmlp.attention import layers as attention
+    from tiledmlp.attention import norm_outputs as attention
 
     norms_only = tiledmlp.enable_tiling(copy.deepcopy(ref), norms=True, loss=False)
     before = len(attention._NORM_OUTPUTS)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.attention.grouped import KeptForward, grouped_attention, kept_for
+from tiledmlp.attention.grouped import KeptForward, call_key, grouped_attention, kept_for
 from tiledmlp.core.regions import ATTENTION as KEPT
 from tiledmlp.core.regions import CheckpointRegion, current_region
 from tiledmlp.offload import checkpointing
@@ -89,12 +89,12 @@ def test_a_kept_output_changed_since_or_for_other_inputs_is_not_used(caplog):
     assert isinstance(kept, KeptForward) and kept.serves(kept.call)
     region.put(KEPT, kept)
     with caplog.at_level("WARNING", logger="tiledmlp"):
-        assert kept_for(region, q[:, :, :12], k[:, :, :12], True, None, "FLASH_ATTENTION") is None  # other inputs
+        assert kept_for(region, call_key(q[:, :, :12], k[:, :, :12], True, None, "FLASH_ATTENTION")) is None  # other inputs
     assert "did not reuse the attention output" in caplog.text
     kept.out.add_(1.0)  # changed in place since the forward
     region.put(KEPT, kept)
-    assert kept_for(region, q, k, True, None, "FLASH_ATTENTION") is None
-    assert kept_for(region, q, k, True, None, "FLASH_ATTENTION") is None  # taken: nothing left
+    assert kept_for(region, call_key(q, k, True, None, "FLASH_ATTENTION")) is None
+    assert kept_for(region, call_key(q, k, True, None, "FLASH_ATTENTION")) is None  # taken: nothing left
 
 
 def test_a_region_tells_the_forward_from_its_recompute():
