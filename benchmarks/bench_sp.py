@@ -35,7 +35,8 @@ of 1 and rescales only the input's), which the column shows. (The head is untied
     torchrun --nproc-per-node 2 benchmarks/bench_sp.py --model 8b --seq-lens 262144,524288 --layers 32
     torchrun --nproc-per-node 2 benchmarks/bench_sp.py --smoke      # tiny model on CPU processes (gloo)
 
-Peak memory is ``torch.cuda.max_memory_allocated`` of each rank (the largest reported). With offload the peak
+Peak memory is ``torch.cuda.max_memory_allocated`` of each rank (the largest reported); ``predicted_gib`` is
+``tiledmlp.plan_memory``'s device peak per rank for the tiled variants (not ``+dsx``). With offload the peak
 does not grow with the number of layers beyond their weights: a run with fewer layers at length T gives the full
 model's peak at T plus the other layers' weights. Rank 0 writes ``benchmarks/results/bench_sp_<gpu>.csv``.
 """
@@ -77,7 +78,8 @@ from row_outcomes import RowOutcomes  # noqa: E402
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn+dsx",
             "tiled+offload+norms+attn") + RING
-COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "step_s", "loss", "grad_rel", "gpu_name", "torch",
+COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "predicted_gib", "step_s", "loss", "grad_rel",
+           "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
 
@@ -214,6 +216,16 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
             "loss": value.item(), "grads": grads}
 
 
+def predicted_gib(model: nn.Module, variant: str, tokens: int, world: int) -> float:
+    """``tiledmlp.plan_memory``'s device peak per rank (GiB) for a tiled variant as configured (the plan models
+    tiledmlp's Ulysses attention); NaN for the others: the untiled model, the ALST stack, DeepSpeed's exchanges
+    (``+dsx``) and the ring's."""
+    if not variant.startswith("tiled") or variant.endswith("+dsx"):
+        return math.nan
+    return tiledmlp.plan_memory(model, tokens, sequence_parallel=world, gpu_mib=1 << 30,
+                                host_mib=1 << 30).gpu_peak_bytes / 2**30
+
+
 def grad_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max(float((got[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in ref.items()) if ref else math.nan
 
@@ -289,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
     def save(rows: list[dict[str, Any]], show: bool) -> list[dict[str, Any]]:
         return save_results("bench_sp", rows, device, args, COLUMNS,
-                            ("variant", "T", "world", "peak_gib", "step_s", "loss", "grad_rel"),
+                            ("variant", "T", "world", "peak_gib", "predicted_gib", "step_s", "loss", "grad_rel"),
                             ("transformers", "deepspeed", "tiledmlp"), show=show)
 
     # A rank out of memory inside a step leaves the others blocked in a collective: every row's outcome is agreed
@@ -317,10 +329,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 if variant == "untiled" or tokens not in reference:  # else the first variant that ran
                     reference[tokens] = grads
                 result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
-                rows.append({**row, **result})
+                rows.append({**row, **result, "predicted_gib": predicted_gib(model, variant, tokens, world)})
             if dist.get_rank() == 0:
                 last = rows[-1]
-                print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(last['peak_gib'])} step_s={fmt(last['step_s'])}"
+                print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(last['peak_gib'])} "
+                      f"predicted_gib={fmt(last.get('predicted_gib', math.nan))} step_s={fmt(last['step_s'])}"
                       f" grad_rel={fmt(last['grad_rel'])}", flush=True)
                 save(rows, show=False)  # every row on disk as it comes: a run cut short keeps what it measured
     if dist.get_rank() == 0:
