@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,8 +74,9 @@ def reference(device: torch.device, length: int = T, **shape: int) -> nn.Module:
 
 
 @contextlib.contextmanager
-def ulysses(env: Env, **shape: int) -> Iterator[Any]:
-    """DeepSpeed's Ulysses over every rank (its mpu), undone on exit: sdpa restored, its groups released."""
+def ulysses(env: Env, split: Optional[int] = None, **shape: int) -> Iterator[Any]:
+    """DeepSpeed's Ulysses over ``split`` consecutive ranks (default every rank; its mpu), undone on exit: sdpa
+    restored, its groups released."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -84,7 +85,8 @@ def ulysses(env: Env, **shape: int) -> Iterator[Any]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
-        yield UlyssesSPAttentionHF.register_with_transformers(llama(**shape), "sdpa", env.world, micro_batch_size=1)
+        yield UlyssesSPAttentionHF.register_with_transformers(llama(**shape), "sdpa", split or env.world,
+                                                              micro_batch_size=1)
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         parallel_state_sp._release_sequence_parallel_groups()
@@ -276,6 +278,108 @@ def ulysses_plan_meets_measured(env: Env) -> dict[str, Any]:
                                             attention=True, offload="cpu", gpu_mib=1 << 20, host_mib=1 << 20)
                 errors[f"{name}:{row['T']}"] = plan.gpu_peak_bytes / (float(row["peak_gib"]) * 2**30) - 1
     return {"rows": len(rows), "errors": errors}
+
+
+SPLIT = 2  # the ranks one sequence is split over in the 2 x 2 cases: a "node" of 2, the data-parallel replicas across
+
+
+def _split_in_two(env: Env, wrap: Callable[[nn.Module, Any], tuple[nn.Module, Callable[[], None]]],
+                  tiled: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """Three steps with each sequence split over ``SPLIT`` ranks (DeepSpeed's Ulysses groups: consecutive ranks) and
+    the ``world / SPLIT`` groups data-parallel, each group its share of a step's micro-batches. ``wrap(model, mpu)``
+    returns the wrapped model and its step; the loss is ``tiledmlp.sequence_loss`` (the wrapper averages the
+    gradients over every rank). The same training as :func:`reference`'s one process on the whole sequences."""
+    replicas = env.world // SPLIT
+    with ulysses(env, split=SPLIT) as mpu:
+        group = mpu.get_sequence_parallel_group()
+        part, replica = dist.get_rank(group), env.rank // SPLIT
+        model = llama(env.device)
+        wrapped, step = wrap(model, mpu)
+        engine = hasattr(wrapped, "backward")  # a DeepSpeed engine
+        if tiled:
+            tiledmlp.enable_tiling(wrapped, tile_tokens=8, loss_scratch_mib=0.01)
+        size = T // SPLIT
+        cut = slice(part * size, (part + 1) * size)
+        for micro in batches():
+            for ids, labels in micro[replica::replicas]:
+                shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
+                loss = tiledmlp.sequence_loss(wrapped, shift[:, cut].contiguous().to(env.device), group,
+                                              input_ids=ids[:, cut].to(env.device),
+                                              position_ids=torch.arange(T, device=env.device)[None, cut])
+                if engine:  # it scales by its accumulation and steps at its boundary: called every micro-batch
+                    wrapped.backward(loss)
+                    step()
+                else:
+                    (loss / (MICRO // replicas)).backward()
+            if not engine:
+                step()
+        strategies = tiledmlp.tiled_modules(wrapped)
+        params = _gathered_params(model)
+        if engine:
+            wrapped.destroy()
+        return params, strategies
+
+
+def _gathered_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters of ``model`` (ZeRO-3 partitions gathered, FSDP2 DTensors made full)."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    with GatheredParameters(list(model.parameters())):
+        return {n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+                .clone() for n, p in model.named_parameters()}
+
+
+def _zero3(model: nn.Module, mpu: Any) -> tuple[nn.Module, Callable[[], None]]:
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "gradient_accumulation_steps": MICRO // (dist.get_world_size() // SPLIT),
+              "zero_optimization": {"stage": 3}, "sequence_parallel_size": SPLIT}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=config, mpu=mpu)
+    return engine, engine.step
+
+
+def _hsdp(model: nn.Module, mpu: Any) -> tuple[nn.Module, Callable[[], None]]:
+    """FSDP2 over a (replicate, shard) mesh: shard inside a "node" (the split's ranks), replicate across."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world // SPLIT, SPLIT),
+                            mesh_dim_names=("replicate", "shard"))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+    return model, step
+
+
+def _split_in_two_case(env: Env, wrap: Callable[[nn.Module, Any], tuple[nn.Module, Callable[[], None]]]
+                       ) -> dict[str, Any]:
+    runs = {name: _split_in_two(env, wrap, tiled) for name, tiled in (("untiled", False), ("tiled", True))}
+    want = _params(reference(env.device))
+    return {"untiled_rel": _rel(runs["untiled"][0], want), "tiled_rel": _rel(runs["tiled"][0], want),
+            "tiled_vs_untiled": _rel(runs["tiled"][0], runs["untiled"][0]),
+            "strategies": sorted(set(runs["tiled"][1].values()))}
+
+
+@case
+def ulysses_zero3_split_in_two(env: Env) -> dict[str, Any]:
+    """ZeRO-3 over every rank, each sequence split by Ulysses over 2 of them: at 4 ranks 2 "nodes" x 2 (the
+    data-parallel replicas across, each its own micro-batch), at 2 one sequence over both."""
+    return _split_in_two_case(env, _zero3)
+
+
+@case
+def ulysses_hsdp_split_in_two(env: Env) -> dict[str, Any]:
+    """HSDP (FSDP2 on a (replicate, shard) mesh) with each sequence split by Ulysses inside a "node" (the shard
+    dimension): at 4 ranks 2 x 2, at 2 one replica."""
+    return _split_in_two_case(env, _hsdp)
 
 
 def _zero(env: Env, stage: int) -> dict[str, Any]:

@@ -84,6 +84,17 @@ def test_the_memory_plan_meets_the_peaks_measured_under_ulysses(suite):
         assert max(abs(e) for e in m["errors"].values()) <= 0.05, m["errors"]
 
 
+@pytest.mark.parametrize("case, strategy", [("ulysses_zero3_split_in_two", "deepspeed+sp"),
+                                            ("ulysses_hsdp_split_in_two", "fsdp2+sp")])
+def test_a_sequence_split_inside_each_node_trains_like_one_process(suite, case, strategy):
+    """ZeRO-3 over every rank, or HSDP (replicate across "nodes", shard inside), with each sequence split by Ulysses
+    over 2 ranks: at 4 processes 2 "nodes" x 2, the replicas training different micro-batches; tiled as untiled,
+    both as one process on the whole sequences, and describe() names the composed strategy."""
+    for m in suite.metrics(case):
+        assert m["untiled_rel"] <= TOL and m["tiled_rel"] <= TOL and m["tiled_vs_untiled"] <= TOL, m
+        assert m["strategies"] == [strategy], m
+
+
 def test_unshifted_labels_are_refused(suite):
     for m in suite.metrics("ulysses_unshifted_labels_refused"):
         assert m["refused"], m
@@ -120,4 +131,5 @@ def test_sequence_loss_refuses_with_the_fix_named(suite):
 def test_every_case_checked(suite):
     assert_all_checked(suite, set(TRAINING) | {"ulysses_unshifted_labels_refused", "cp_mesh_is_named",
                                                "sequence_loss_bad_input", "trainer_ulysses_zero3",
-                                               "ulysses_attention_kept", "ulysses_plan_meets_measured"})
+                                               "ulysses_attention_kept", "ulysses_plan_meets_measured",
+                                               "ulysses_zero3_split_in_two", "ulysses_hsdp_split_in_two"})
