@@ -157,6 +157,19 @@ def test_sft_trainer_completion_only_loss_trains_as_untiled(tmp_path):
     _assert_same_training(got, _sft(ref, tmp_path / "untiled", dataset=_prompts(), completion_only_loss=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has no backward on CPUs (torch 2.13)")
+def test_packed_flex_attention_trains_as_untiled_on_a_gpu(tmp_path):
+    """``packing`` with ``padding_free`` under ``flex_attention``, whose kernel reads the documents' boundaries from
+    the packed ``position_ids`` (a block mask, not SDPA): tiled with ``norms`` and ``attention=True`` (its calls are
+    not SDPA's, so only q/k/v keeping the norm's input applies) trains as untiled over three steps, float32 on the
+    GPU."""
+    ref = build("llama").cuda()
+    ref.config._attn_implementation = "flex_attention"
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), norms=True, attention=True)
+    config = dict(packing=True, padding_free=True, use_cpu=False)
+    _assert_same_training(_sft(tiled, tmp_path / "tiled", **config), _sft(ref, tmp_path / "untiled", **config))
+
+
 def test_packed_documents_do_not_see_each_other(tmp_path):
     """Packed without padding, documents restart their ``position_ids``: a document's loss is the same packed or alone
     (the attention honours the boundaries, here eager's document mask; the tiled loss skips the masked boundary)."""
