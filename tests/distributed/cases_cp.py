@@ -8,7 +8,6 @@ where there are enough GPUs."""
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 import tiledmlp
 from cases_sp import LR, MICRO, _rel, batches, llama, reference
 from common import Env, registry
+from trainer_run import trainer_run
 
 CASES, case = registry()
 # torch's ring merges each step's log-sum-exp with its running one; the efficient-attention kernel (float32 here)
@@ -95,32 +95,17 @@ def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor],
     """Two ``Trainer`` steps with accelerate's ``ParallelismConfig(cp_size=world)``: FSDP2 over the flattened
     ``dp_shard x cp`` mesh, each sequence cut by ``context_parallel`` (load-balanced) with the labels the Trainer
     shifts before the cut, accelerate's hooks dropping the masks; SGD, no clipping, float32."""
-    import tempfile
-
-    from accelerate.state import AcceleratorState
     from accelerate.utils import ParallelismConfig
-    from transformers import Trainer, TrainingArguments
 
     model = llama()
     tiledmlp.repeat_kv_heads(model)  # torch's ring has no grouped-query path
     if tiled:
         tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01)
     data = [{"input_ids": ids[0], "labels": labels[0]} for micro in batches(T) for ids, labels in micro]
-    args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=1, report_to=[],
-                             fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
-                                                             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-                             parallelism_config=ParallelismConfig(dp_shard_size=1, cp_size=env.world),
-                             learning_rate=LR, optim="sgd", max_grad_norm=0.0, save_strategy="no",
-                             logging_strategy="no", seed=0)
-    try:
-        trainer = Trainer(model=model, args=args, train_dataset=data)
-        loss = trainer.train().training_loss
-        strategies = tiledmlp.tiled_modules(trainer.model_wrapped) if tiled else {}
-        params = _full_params(trainer.model)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=False)
-        gc.collect()
-    return loss, params, strategies
+    return trainer_run(model, data, ParallelismConfig(dp_shard_size=1, cp_size=env.world), LR,
+                       lambda trainer: _full_params(trainer.model), fsdp="full_shard",
+                       fsdp_config={"version": 2, "reshard_after_forward": True,
+                                    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
 
 
 @case

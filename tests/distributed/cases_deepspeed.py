@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 import deepspeed
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
 from cases_hf import (VOCAB as HF_VOCAB, hf_loss, lora_llama, lora_llama_everywhere, mixtral, qlora_llama,
@@ -27,6 +26,7 @@ from cases_hf import (VOCAB as HF_VOCAB, hf_loss, lora_llama, lora_llama_everywh
 from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
                     count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
                     use_apply)
+from models import tiny_llama
 
 CASES, case = registry()
 
@@ -50,12 +50,7 @@ def tiny_loss(engine: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def llama(tied: bool = False) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        return LlamaForCausalLM(LlamaConfig(vocab_size=HF_VOCAB, hidden_size=HIDDEN, intermediate_size=88,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=128, tie_word_embeddings=tied,
-                                            attn_implementation="eager"))
-    return build
+    return lambda: tiny_llama(vocab_size=HF_VOCAB, hidden_size=HIDDEN, tie_word_embeddings=tied)
 
 
 class GatherCounter:

@@ -18,8 +18,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM)
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralExperts
 
@@ -27,16 +26,16 @@ from cases_ddp import ddp
 from cases_fsdp1 import fsdp1
 from cases_fsdp2 import fsdp2
 from common import Batch, Env, Recipe, ddp_sync, enable, hf_batches, registry, untiled_vs_tiled
+from models import TINY_LLAMA, tiny_llama
 
 CASES, case = registry()
-VOCAB = 96
-#: eager attention: the same kernels on CPU and GPU, no fused-attention backward atomics
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="eager")
+VOCAB = TINY_LLAMA["vocab_size"]
+#: the tiny Llama's shape for the other families (eager attention: the same kernels on CPU and GPU)
+_SHAPE = {k: v for k, v in TINY_LLAMA.items() if k != "intermediate_size"}
 
 
 def llama() -> nn.Module:
-    return LlamaForCausalLM(LlamaConfig(intermediate_size=88, **_SHAPE))
+    return tiny_llama()
 
 
 def mixtral() -> nn.Module:
@@ -87,7 +86,7 @@ def qlora_llama(storage: torch.dtype = torch.uint8, attention: bool = False) -> 
     def build() -> nn.Module:
         import bitsandbytes as bnb
 
-        model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, **{**_SHAPE, "hidden_size": 64}))
+        model = tiny_llama(intermediate_size=128, hidden_size=64)
         for layer in model.model.layers:
             for parent, name in [(layer.mlp, n) for n in MLP_PROJS] + [(layer.self_attn, n) for n in attention_projs]:
                 lin = getattr(parent, name)
@@ -224,7 +223,7 @@ def uncached_llama() -> nn.Module:
 
 
 def checkpointed_llama(attn_implementation: str = "eager") -> nn.Module:
-    model = LlamaForCausalLM(LlamaConfig(intermediate_size=88, **dict(_SHAPE, attn_implementation=attn_implementation)))
+    model = tiny_llama(attn_implementation=attn_implementation)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from cases_ddp import ddp
 from cases_fsdp1 import fsdp1
 from common import (Env, Recipe, ddp_sync, enable, fsdp2_sync, hf_batches, mixed_precision_metrics, registry,
                     untiled_vs_tiled)
+from models import tiny_llama
 
 CASES, case = registry()
 VOCAB = 96
@@ -32,10 +32,7 @@ SCRATCH_MIB = 8 / 1024
 
 
 def llama(tied: bool = False) -> Callable[[], nn.Module]:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=tied, attn_implementation="eager")
-    return lambda: LlamaForCausalLM(config)
+    return lambda: tiny_llama(vocab_size=VOCAB, tie_word_embeddings=tied)
 
 
 def tile(mode: str = "fused", **options: Any) -> Callable[[nn.Module], None]:

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
 from common import Env, registry
+from models import tiny_llama
+from trainer_run import trainer_run
 from tiledmlp.attention.layers import attention_layers
 
 CASES, case = registry()
@@ -39,11 +40,11 @@ PROMPT = 0.6  # share of each sequence's first tokens whose labels are masked
 
 
 def llama(device: torch.device = torch.device("cpu"), heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """The tiny Llama 64 wide with sdpa attention (the one Ulysses wraps), seeded."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa",
-                         use_cache=False)
-    return LlamaForCausalLM(config).to(device)
+    return tiny_llama(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=2048, attn_implementation="sdpa",
+                      use_cache=False).to(device)
 
 
 def batches(length: int = T) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -408,16 +409,10 @@ def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor],
     """Two Trainer steps with accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=world): its
     UlyssesSPDataLoaderAdapter splits each sequence and shifts the labels, its deepspeed_sp_compute_loss weighs the
     ranks' losses; ZeRO-3 (the stage whose reduction averages over the split), no clipping, SGD."""
-    import tempfile
-
-    from accelerate.state import AcceleratorState, PartialState
+    import deepspeed
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.zero import GatheredParameters
-    from transformers import Trainer, TrainingArguments
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    import deepspeed
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -430,23 +425,18 @@ def _trainer_run(env: Env, tiled: bool) -> tuple[float, dict[str, torch.Tensor],
                                     sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
           "zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
-    args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=1, report_to=[],
-                             use_cpu=env.device.type == "cpu", deepspeed=ds, parallelism_config=parallelism, learning_rate=LR, optim="sgd",
-                             max_grad_norm=0.0, save_strategy="no", logging_strategy="no", seed=0)
-    try:
-        trainer = Trainer(model=model, args=args, train_dataset=data)
-        loss = trainer.train().training_loss
-        strategies = tiledmlp.tiled_modules(trainer.model_wrapped) if tiled else {}
-        with GatheredParameters(list(trainer.model_wrapped.module.parameters())):
-            params = _params(trainer.model_wrapped.module)
+
+    def params_of(trainer: Any) -> dict[str, torch.Tensor]:
+        params = _gathered_params(trainer.model_wrapped.module)
         trainer.model_wrapped.destroy()
-    finally:
+        return params
+
+    def restore_sdpa() -> None:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
-        parallel_state_sp._release_sequence_parallel_groups()
-        AcceleratorState._reset_state(reset_partial_state=False)
-        del PartialState
-        gc.collect()
-    return loss, params, strategies
+
+    return trainer_run(model, data, parallelism, LR, params_of,
+                       undo=(restore_sdpa, parallel_state_sp._release_sequence_parallel_groups),
+                       use_cpu=env.device.type == "cpu", deepspeed=ds)
 
 
 @case

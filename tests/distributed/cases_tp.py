@@ -247,12 +247,11 @@ def _tp_causal_lm(env: Env, mesh: Any, parallel_head: bool = True) -> Callable[[
     def build() -> nn.Module:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from models import tiny_llama
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=88, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=4)
-        model = LlamaForCausalLM(config).to(env.device)
+        model = tiny_llama(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=1, num_key_value_heads=4,
+                           max_position_embeddings=2048, attn_implementation=None).to(env.device)
         if not parallel_head:
             return model
         return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
