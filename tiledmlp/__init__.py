@@ -58,7 +58,7 @@ from .offload.checkpointing import checkpoint, offloaded_layers
 from .patching.describe import Description, TileInfo, describe
 from .patching.enable import disable_tiling, enable_tiling, tiled_modules
 from .patching.functional import apply_tiled_mlp
-from .patching.planning import register_mlp
+from .recognize.modules import register_mlp
 from .plan import MemoryPlan, plan_memory
 
 __all__ = [

@@ -14,7 +14,7 @@ from ..distributed.deepspeed import check_deepspeed_module, is_zero3_param
 from ..distributed.strategies import DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
 from ..distributed.tensor_parallel import has_tp_hooks
 from .call_spec import TiledCallSpec
-from .planning import param_slots
+from ..recognize.modules import param_slots
 
 __all__ = ["apply_tiled_mlp"]
 

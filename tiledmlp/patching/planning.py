@@ -34,7 +34,7 @@ from torch import nn
 
 from ..core.logs import warn_once
 from ..distributed.deepspeed import check_deepspeed_module
-from ..distributed.detect import Wrapping, fsdp2_units_below, is_fsdp1_wrapper, module_path
+from ..distributed.detect import Wrapping, fsdp2_units_below, module_path
 from ..distributed.selection import owning_units, strategy_for, validate_forced
 from ..distributed.strategies import Strategy
 from ..forms.base import Slot
@@ -42,114 +42,11 @@ from ..forms.mlp import MLPLayout
 from ..forms.quant import quantized_linear
 from ..loss.heads import HeadSpec, LossOptions, LossOwner, check_causal_lm, find_causal_lms, labels_position
 from ..recognize.candidates import Recognized, hidden_sizes, linear_like
-from ..recognize.mlp import recognize_mlp
-from ..recognize.moe import experts_interface, recognize_experts
-from ..recognize.norms import recognize_norm
-from ..recognize.projections import recognize_projection
+from ..recognize.modules import recognize
 from .call_spec import TiledCallSpec
 from .state import STATE_ATTR, PlanOptions, TilingState, TracedCall, original_forward, parallelism_of, saved_forward
 
-__all__ = ["register_mlp", "recognize", "param_slots", "plan", "plan_added", "replan"]
-
-_REGISTERED: list[type] = []
-
-
-def register_mlp(module_type: type) -> type:
-    """Tile every instance of ``module_type`` (any per-token module) with the generic form.
-
-    Usable as a decorator. The module's forward must map ``[..., tokens, hidden]`` to outputs whose
-    leading dims are the tokens' (each token computed independently of the others).
-    """
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"register_mlp takes an nn.Module subclass, got {module_type!r}")
-    if module_type not in _REGISTERED:
-        _REGISTERED.append(module_type)
-    return module_type
-
-
-def param_slots(module: nn.Module) -> list[Slot]:
-    """Every parameter slot in ``module``'s subtree (where the parameter is registered).
-
-    FSDP1 flat parameters are left out: the module computes with views of them, read through the
-    original parameters' slots (see :func:`_flatparam_slots`).
-    """
-    return [
-        Slot(owner, pname)
-        for _, owner in module.named_modules()
-        for pname, p in owner._parameters.items()
-        if p is not None and not getattr(p, "_is_flat_param", False)
-    ]
-
-
-def _flatparam_slots(module: nn.Module, root: nn.Module) -> list[Slot]:
-    """FSDP1 with flat parameters: the original parameters' (module, name) inside ``module``.
-
-    FSDP1 registers a flat parameter on the module it wraps — often an ancestor of the MLP (the
-    decoder layer, the root) — so the flat parameters are searched from ``root``.
-    """
-    inside = {id(m) for m in module.modules()}
-    return [
-        Slot(info.module, info.param_name)
-        for p in root.parameters()
-        for info in getattr(p, "_param_infos", ())
-        if id(info.module) in inside
-    ]
-
-
-def _is_moe(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "experts", None), nn.Module) and any(
-        isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router"))
-
-
-def recognize(module: nn.Module, extra_types: tuple[type, ...] = (), include_moe: bool = True,
-              form: str = "auto", root: Optional[nn.Module] = None,
-              experts_seen: Optional[dict[int, Recognized]] = None, norms: bool = False,
-              projections: bool = False) -> Optional[Recognized]:
-    """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
-    recognized MLP block (or, with ``norms``, normalization layer; with ``projections``, LoRA-adapted
-    projection). A MoE block with ``include_moe=False`` is
-    ``"excluded"``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
-    MoE block's recognition already probed (by ``id``), so that a later call for the experts module itself does
-    not probe again."""
-    experts_seen = {} if experts_seen is None else experts_seen
-    if is_fsdp1_wrapper(module):
-        # FSDP1 forwards attribute reads to the module it wraps, so it looks like that module; the
-        # wrapped module is tiled instead (tiling the wrapper would gather parameters per shard).
-        return None
-    slots = param_slots(module) or _flatparam_slots(module, root if root is not None else module)
-    if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
-        return Recognized("generic", tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
-    if _is_moe(module):
-        if not include_moe:
-            return Recognized("excluded", tuple(slots))
-        experts = module.experts
-        if form == "auto" and experts_interface(experts, original_forward(experts)):
-            rec = experts_seen[id(experts)] = recognize_experts(experts, original_forward(experts),
-                                                                param_slots(experts))
-            if rec.kind == "moe":
-                return None  # the block runs as is; its experts (and a shared expert) are recognized below
-            reason = f"its experts ({type(experts).__name__}) cannot take the MoE form: {rec.reason}"
-        elif form == "auto":
-            reason = (f"its experts ({type(experts).__name__}) do not have the experts interface (two 3-D expert "
-                      "weights, forward(hidden_states, top_k_index, top_k_weights))")
-        else:
-            reason = "form='generic' was asked for"
-        return Recognized("generic", tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
-                          "is recomputed per shard", warn=form == "auto", moe_block=True)
-    forward = original_forward(module)
-    if norms:
-        rec = recognize_norm(module, forward, slots)
-        if rec is not None:
-            return rec
-    if projections:
-        rec = recognize_projection(module, slots)
-        if rec is not None:
-            return rec
-    if form == "auto" and experts_interface(module, forward):
-        rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
-        return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
-    return recognize_mlp(module, forward, slots, fast=form == "auto")
-
+__all__ = ["plan", "plan_added", "replan"]
 
 def _input_names(forward) -> list[str]:
     return [p.name for p in inspect.signature(forward).parameters.values()
@@ -191,7 +88,7 @@ def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = N
     for name, module in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+        rec = recognize(module, original_forward, options.extra_types, options.include_moe, options.form, root=model,
                         experts_seen=experts_seen, norms=options.norms,
                         projections=projections and id(module) not in heads)
         if rec is None:
@@ -222,7 +119,7 @@ def plan_added(model: nn.Module, options: PlanOptions, known: set[int]) -> dict[
         if (id(module) in known or id(module) in heads
                 or any(c == "" or name == c or name.startswith(c + ".") for c in [*tiled, *states])):
             continue
-        rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+        rec = recognize(module, original_forward, options.extra_types, options.include_moe, options.form, root=model,
                         norms=options.norms, projections=options.projections)
         if rec is not None and rec.kind != "excluded":
             states[name] = _module_state(model, module, name or type(module).__name__, rec, options)
@@ -267,7 +164,7 @@ def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
     name = next(n for n, m in model.named_modules() if m is module)
     label = name or type(module).__name__
     kind = state.kind
-    rec = recognize(module, options.extra_types, options.include_moe, options.form, root=model,
+    rec = recognize(module, original_forward, options.extra_types, options.include_moe, options.form, root=model,
                     norms=options.norms and kind == "norm", projections=options.projections and kind == "proj")
     if rec is None or rec.kind == "excluded":
         return replace(state, members=tuple(module.named_modules()), untiled=(

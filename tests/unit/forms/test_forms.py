@@ -221,7 +221,7 @@ class OneLayer(nn.Module):
 
 
 def test_register_mlp_makes_a_type_recognizable(monkeypatch):
-    monkeypatch.setattr("tiledmlp.patching.planning._REGISTERED", [])
+    monkeypatch.setattr("tiledmlp.recognize.modules._REGISTERED", [])
     torch.manual_seed(0)
     model = nn.Sequential(OneLayer())
     with pytest.raises(ValueError, match="register_mlp"):

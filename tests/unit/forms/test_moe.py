@@ -344,7 +344,7 @@ def test_form_layout_checks_its_gate_function():
 
 def test_each_experts_module_is_probed_once():
     """The MoE block's recognition probes its experts; the experts' own recognition reuses that result."""
-    import tiledmlp.patching.planning as planning
+    import tiledmlp.recognize.modules as planning
 
     model = build_moe("qwen2_moe")
     probed = []

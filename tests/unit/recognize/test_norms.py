@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import tiledmlp
 import tiledmlp.patching.call_spec
 from tiledmlp.recognize.norms import recognize_norm
-from tiledmlp.patching.planning import param_slots
+from tiledmlp.recognize.modules import param_slots
 from tiledmlp.core.sharding import ShardPolicy, norm_scratch_per_token
 from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, bf16_signal, build,
                           rel_err)
