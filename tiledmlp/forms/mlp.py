@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 from ..core.accumulate import GradAccumulator, addmm_, input_grad_sum, mm_into, sum_dtype
 from ..core.sharding import chunk_bounds, dh_blocks
-from ..kernels import glu_backward_, glu_forward, mlp_backward_, mlp_forward
+from ..kernels import ACTIVATIONS, glu_backward_, glu_forward, mlp_backward_, mlp_forward
 from .lora import LowRank
 
-__all__ = ["Proj", "MLPLayout", "MLPForm"]
+__all__ = ["ACTIVATIONS", "Proj", "MLPLayout", "MLPForm"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class MLPLayout:
     ``[gate; up]`` (first half the gate). Plain (``gate`` None, not ``fused``): ``down(act(up(x)))``.
     """
 
-    activation: str
+    activation: str  # one of ACTIVATIONS (the kernels' table)
     up: Proj
     down: Proj
     gate: Optional[Proj] = None
