@@ -37,6 +37,7 @@ from ..distributed.selection import owning_units, strategy_for, validate_forced
 from ..distributed.strategies import Strategy
 from ..distributed.tensor_parallel import TPPlan, tp_plan
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from .call_spec import TiledCallSpec
 
 __all__ = ["STATE_ATTR", "PlanOptions", "TilingState", "TracedCall"]
@@ -62,7 +63,7 @@ class TilingState:
     """Everything the patched forward of one module needs."""
 
     spec: TiledCallSpec
-    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
+    kind: Kind  # the form
     input_name: str
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
@@ -138,7 +139,7 @@ class TilingState:
         """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
         not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
         wrapping, tp = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
-                                      self.reason, head=self.kind == "loss")
+                                      self.reason, head=self.kind == Kind.LOSS)
         if wrapping is not Wrapping.NONE:
             self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
             self.recheck = False
@@ -146,7 +147,7 @@ class TilingState:
     def detected(self, path: list[nn.Module]) -> Strategy:
         """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""
         key = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
-                             head=self.kind == "loss")
+                             head=self.kind == Kind.LOSS)
         if key not in self._auto:
             self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
         return self._auto[key]
