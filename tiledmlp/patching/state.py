@@ -1,8 +1,8 @@
-"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call
-spec, form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
+"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call spec,
+form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
 options to plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`, and the operators'
-implementations the compiled call runs on it. Imported by the planning (which makes states), the patched forwards
-(which read them) and the installer; imports none of them.
+implementations the compiled call runs on it (:class:`~tiledmlp.core.compiled.OperatorImpl`). Imported by the
+planning (which makes states), the patched forwards (which read them) and the installer; imports none of them.
 
 Design note — a module that changed since it was planned
 --------------------------------------------------------
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..core.compiled import STATE_ATTR
+from ..core.compiled import STATE_ATTR, OperatorImpl
 from ..core.function import backward_shards, forward_shards
 from ..core.sharding import ShardPolicy
 from ..distributed.deepspeed import is_zero_managed
@@ -59,8 +59,9 @@ class PlanOptions:
 
 
 @dataclass
-class TilingState:
-    """Everything the patched forward of one module needs."""
+class TilingState(OperatorImpl):
+    """Everything the patched forward of one module needs, and the compiled call's operators (``core/compiled.py``)
+    through :class:`~tiledmlp.core.compiled.OperatorImpl`, which it implements."""
 
     spec: TiledCallSpec
     kind: Kind  # the form
@@ -155,8 +156,8 @@ class TilingState:
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
         return {**self.__dict__, "path": [], "_auto": {}}
 
-    # The implementations of the compiled call's operators (``core/compiled.py``): the eager call, cut at the
-    # autograd node, on the tensors the compiled graph passes.
+    # The compiled call's operators (``core/compiled.py``), as their contract OperatorImpl says: the eager call, cut
+    # at the autograd node, on the tensors the compiled graph passes.
 
     def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
