@@ -40,22 +40,44 @@ A fast-form module whose children carry hooks uses the generic operator, as its 
 form. Where the operator cannot be exact (parameters still sharded as DTensors or ZeRO-3 partitions, extra
 arguments, a generic module the graph cannot size, hooks on a MoE experts module's children) the call keeps
 the eager path and one graph break, said once in a log line (``patching/forwards.py``).
+
+What the operators run is not here: they find the tiled module's state in its ``__dict__`` (:data:`STATE_ATTR`) and
+call its :class:`OperatorImpl` methods, which the tiling state (``tiledmlp.patching.state.TilingState``, the top
+layer) implements. :class:`OperatorImpl` is that contract, declared here so that the dependency shows in an import
+and is checked: the state subclasses it, and :func:`_state` refuses an object that does not satisfy it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["STATE_ATTR", "autocast_name", "module_key", "tiled_call"]
+__all__ = ["STATE_ATTR", "OperatorImpl", "autocast_name", "module_key", "tiled_call"]
 
 #: Where a tiled module keeps its tiling state (``tiledmlp.patching.state.TilingState``), in its ``__dict__``: the
 #: operators find a module's state there, and everything that patches or reads a tiled module uses this name.
 STATE_ATTR = "_tiledmlp_state"
 
 _MODULE_ATTR = "_tiledmlp_module"
+
+
+@runtime_checkable
+class OperatorImpl(Protocol):
+    """What the operators call on the state a tiled module keeps under :data:`STATE_ATTR`: the eager call, cut at
+    the autograd node, on the tensors the compiled graph passes (``tiledmlp.patching.state.TilingState``)."""
+
+    def op_forward(self, module: torch.nn.Module, x: torch.Tensor, params: list[torch.Tensor],
+                   token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
+        """``module``'s output for ``x`` (no autograd graph), computed by the generic form when ``generic``."""
+        ...
+
+    def op_backward(self, module: torch.nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
+                    token_inputs: list[torch.Tensor], needs: list[bool],
+                    generic: bool) -> list[Optional[torch.Tensor]]:
+        """``[dx, d token inputs..., d params...]`` for ``grad`` of the output, None where ``needs`` is False."""
+        ...
 
 
 def module_key(module: torch.nn.Module) -> torch.Tensor:
@@ -69,8 +91,19 @@ def _module(key: torch.Tensor) -> torch.nn.Module:
     return getattr(key, _MODULE_ATTR)
 
 
-def _state(key: torch.Tensor) -> Any:
-    return _module(key).__dict__[STATE_ATTR]
+def _state(key: torch.Tensor) -> OperatorImpl:
+    """The operators' implementation for the module ``key`` names: its tiling state; TypeError if that is missing or
+    is not an :class:`OperatorImpl` (an ``isinstance`` against the protocol: a few microseconds per operator call)."""
+    module = _module(key)
+    state = module.__dict__.get(STATE_ATTR)
+    if not isinstance(state, OperatorImpl):
+        raise TypeError(
+            f"tiledmlp::tiled_call: the {type(module).__name__} it was traced for holds "
+            f"{'no tiling state' if state is None else type(state).__name__} under {STATE_ATTR!r}, not an "
+            "OperatorImpl (op_forward, op_backward; tiledmlp.core.compiled): its tiling was undone or replaced "
+            "after the graph was traced. Run a compiled forward's backward before tiledmlp.disable_tiling, and tile "
+            "modules with tiledmlp.enable_tiling rather than by setting that attribute")
+    return state
 
 
 def autocast_name(device_type: str) -> str:

@@ -34,10 +34,11 @@ import torch.nn.functional as F
 
 from ..core.accumulate import GradAccumulator, addmm_, input_grad_sum, mm_into, sum_dtype
 from ..core.sharding import chunk_bounds, dh_blocks
-from ..kernels import glu_backward_, glu_forward, mlp_backward_, mlp_forward
+from ..kernels import ACTIVATIONS, glu_backward_, glu_forward, mlp_backward_, mlp_forward
+from .kind import Kind
 from .lora import LowRank
 
-__all__ = ["Proj", "MLPLayout", "MLPForm"]
+__all__ = ["ACTIVATIONS", "Proj", "MLPLayout", "MLPForm"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class MLPLayout:
     ``[gate; up]`` (first half the gate). Plain (``gate`` None, not ``fused``): ``down(act(up(x)))``.
     """
 
-    activation: str
+    activation: str  # one of ACTIVATIONS (the kernels' table)
     up: Proj
     down: Proj
     gate: Optional[Proj] = None
@@ -141,9 +142,9 @@ class MLPLayout:
         return None if self.gated else torch.float32
 
     @property
-    def form(self) -> str:
-        """``"glu"`` or ``"mlp"``: the form's name in ``tiledmlp.describe``."""
-        return "glu" if self.gated else "mlp"
+    def form(self) -> Kind:
+        """``Kind.GLU`` or ``Kind.MLP``: the form's name in ``tiledmlp.describe``."""
+        return Kind.GLU if self.gated else Kind.MLP
 
     def remap(self, index: Sequence[int]) -> "MLPLayout":
         """The layout over deduplicated parameter tensors (``index[i]``: where tensor ``i`` went)."""

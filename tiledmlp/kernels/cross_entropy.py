@@ -21,14 +21,13 @@ float64) has the same math, a block of rows at a time: its float32 temporaries a
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from tiledmlp.kernels.glu import Backend, resolve_backend
+from tiledmlp.kernels.launch import DTYPES, Backend, on_device, resolve_backend, upcast
 
 try:
     import triton
@@ -40,7 +39,6 @@ except ImportError:  # Triton is optional: the torch reference has the same math
 
 __all__ = ["LogitTransform", "ce_finalize", "ce_grad_", "ce_stats_", "new_stats", "stats_dtype"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: torch backend only
 _STATS_BLOCK = 2048  # per-lane running statistics: BLOCK / (32 * num_warps) lanes' worth per thread
 _GRAD_BLOCK = 2048
 
@@ -101,7 +99,7 @@ def ce_stats_(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, fir
         raise ValueError("an empty vocabulary chunk has no statistics; pass chunks of at least one column")
     if resolve_backend(backend, logits) == "triton":
         block = min(_STATS_BLOCK, triton.next_power_of_2(cols))
-        with _device(logits):
+        with on_device(logits):
             cross_entropy_triton.ce_stats_kernel[(rows,)](
                 logits, labels, stats, cols, col_start, logits.stride(0), stats.stride(0),
                 float(transform.scale), float(transform.softcap or 1.0), HAS_SOFTCAP=transform.softcap is not None,
@@ -145,7 +143,7 @@ def ce_grad_(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef: 
         return
     if resolve_backend(backend, logits) == "triton":
         block = min(_GRAD_BLOCK, triton.next_power_of_2(cols))
-        with _device(logits):
+        with on_device(logits):
             cross_entropy_triton.ce_grad_kernel[(rows, triton.cdiv(cols, block))](
                 logits, labels, lse, coef, cols, col_start, logits.stride(0),
                 float(transform.scale), float(transform.softcap or 1.0), label_smoothing / vocab,
@@ -155,15 +153,7 @@ def ce_grad_(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef: 
         _grad_torch(logits, labels, col_start, lse, coef, vocab, transform, label_smoothing, z_loss)
 
 
-def _device(t: Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
-
-
 # --------------------------------------------------------------------------- torch reference
-
-
-def _compute(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float64 else t.float()
 
 
 def _label_columns(labels: Tensor, col_start: int, cols: int) -> tuple[Tensor, Tensor]:
@@ -193,7 +183,7 @@ def _stats_torch(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, 
 
 def _stats_rows(logits: Tensor, labels: Tensor, col_start: int, stats: Tensor, first: bool,
                 transform: LogitTransform) -> None:
-    f, _ = transform.apply(_compute(logits))
+    f, _ = transform.apply(upcast(logits))
     m = f.amax(1)
     s = torch.exp(f - m[:, None]).sum(1)
     here, col = _label_columns(labels, col_start, f.shape[1])
@@ -217,7 +207,7 @@ def _grad_torch(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coe
 
 def _grad_rows(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef: Tensor, vocab: int,
                transform: LogitTransform, label_smoothing: float, z_loss: float) -> None:
-    z = _compute(logits)
+    z = upcast(logits)
     f, df = transform.apply(z)
     lse, coef = lse[:, None], coef[:, None]
     d = torch.exp(f - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / vocab
@@ -232,7 +222,7 @@ def _grad_rows(logits: Tensor, labels: Tensor, col_start: int, lse: Tensor, coef
 def _check(logits: Tensor, labels: Tensor) -> None:
     if not isinstance(logits, Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D [rows, cols] tensor, got {getattr(logits, 'shape', logits)!r}")
-    if logits.dtype not in _DTYPES:
+    if logits.dtype not in DTYPES:
         raise TypeError(f"logits have unsupported dtype {logits.dtype}; supported: float32, float16, bfloat16 "
                         "(and float64 on the torch backend)")
     if logits.shape[1] > 1 and logits.stride(1) != 1:

@@ -10,7 +10,7 @@ portable tanh; the absolute error, about 1e-7 * softcap, is far below a bf16 log
 import triton
 import triton.language as tl
 
-from tiledmlp.kernels.scaled_accum_triton import _to_bfloat16
+from tiledmlp.kernels.scaled_accum_triton import to_bfloat16
 
 
 @triton.jit
@@ -92,6 +92,6 @@ def ce_grad_kernel(logits_ptr, labels_ptr, lse_ptr, coef_ptr, cols, col_start, l
     d = tl.exp(f - lse) * (1.0 + zl2 * lse) - smooth - tl.where(offs == label, keep, 0.0)
     d = coef * d * df
     if OUT_BF16:
-        tl.store(ptrs, _to_bfloat16(d), mask=mask)
+        tl.store(ptrs, to_bfloat16(d), mask=mask)
     else:
         tl.store(ptrs, d.to(logits_ptr.dtype.element_ty), mask=mask)

@@ -9,65 +9,14 @@ stride, so ``gate`` and ``up`` may be the column halves of one fused
 ``[b * BLOCK_N, (b + 1) * BLOCK_N)`` of row ``r``. Elements are loaded in the
 tensors' dtype, all math is float32, and results are cast back on store.
 
-``ACTIVATION`` is a compile-time string: ``"silu"``, ``"gelu"`` (exact, erf),
-``"gelu_tanh"`` (tanh approximation), ``"relu"`` or ``"relu2"`` (squared ReLU). The tanh form is evaluated through the
-identity ``0.5 * (1 + tanh(z)) = sigmoid(2 * z)``, which needs no tanh
-intrinsic and stays accurate where ``1 + tanh(z)`` would cancel.
+``ACTIVATION`` is a compile-time string naming one of the activation table's
+functions (:mod:`tiledmlp.kernels.activations_triton`).
 """
 
 import triton
 import triton.language as tl
 
-# Constants are inlined literals (Triton only reads module globals that are
-# tl.constexpr, and constexpr-first arithmetic misbehaves in the interpreter):
-#   0.7071067811865476 = 1 / sqrt(2)        0.3989422804014327 = 1 / sqrt(2 * pi)
-#   1.5957691216057308 = 2 * sqrt(2 / pi)   0.044715 = GELU tanh cubic coefficient C, 0.134145 = 3 * C
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) for float32 ``x``."""
-    if ACTIVATION == "silu":
-        a = x * tl.sigmoid(x)
-    elif ACTIVATION == "gelu":
-        a = x * (0.5 + 0.5 * tl.erf(x * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
-        a = x * tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
-    elif ACTIVATION == "relu":
-        a = tl.maximum(x, 0.0)
-    else:
-        tl.static_assert(ACTIVATION == "relu2")
-        r = tl.maximum(x, 0.0)
-        a = r * r
-    return a
-
-
-@triton.jit
-def _activation_and_grad(x, ACTIVATION: tl.constexpr):
-    """(act(x), act'(x)) for float32 ``x``."""
-    if ACTIVATION == "silu":
-        s = tl.sigmoid(x)
-        a = x * s
-        da = s * (1.0 + x * (1.0 - s))
-    elif ACTIVATION == "gelu":
-        cdf = 0.5 + 0.5 * tl.erf(x * 0.7071067811865476)
-        a = x * cdf
-        da = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-    elif ACTIVATION == "relu":
-        a = tl.maximum(x, 0.0)
-        da = tl.where(x > 0.0, 1.0, 0.0)
-    elif ACTIVATION == "relu2":
-        r = tl.maximum(x, 0.0)
-        a = r * r
-        da = 2.0 * r
-    else:
-        tl.static_assert(ACTIVATION == "gelu_tanh")
-        x2 = x * x
-        # s = 0.5 * (1 + tanh(z)) and 1 - tanh(z)^2 = 4 * s * (1 - s).
-        s = tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x2))
-        a = x * s
-        da = s + 1.5957691216057308 * x * s * (1.0 - s) * (1.0 + 0.134145 * x2)
-    return a, da
+from tiledmlp.kernels.activations_triton import activation, activation_and_grad
 
 
 @triton.jit
@@ -90,7 +39,7 @@ def glu_forward_kernel(
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
 
-    h = _activation(gate, ACTIVATION) * up
+    h = activation(gate, ACTIVATION) * up
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -122,7 +71,7 @@ def glu_backward_kernel(
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
 
-    act, act_grad = _activation_and_grad(gate, ACTIVATION)
+    act, act_grad = activation_and_grad(gate, ACTIVATION)
     tl.store(grad_h_ptrs, (act * up).to(grad_h_ptr.dtype.element_ty), mask=mask)
     tl.store(gate_ptrs, (grad_h * up * act_grad).to(gate_ptr.dtype.element_ty), mask=mask)
     tl.store(up_ptrs, (grad_h * act).to(up_ptr.dtype.element_ty), mask=mask)

@@ -11,20 +11,19 @@ Public entry points:
 so the activation sees the same rounded values; adding the bias after rounding ``x @ W.T`` flips
 ReLU's derivative at other elements: 1.13-1.35x the untiled bf16 error on CPU).
 
-Tensors follow :mod:`tiledmlp.kernels.glu`'s rules (2-D ``[rows, cols]``, unit column stride, any
+Tensors follow :mod:`tiledmlp.kernels.launch`'s rules (2-D ``[rows, cols]``, unit column stride, any
 row stride; float32/float16/bfloat16, float64 on the torch backend; float32 math, one rounding
-per result). Activations: :data:`tiledmlp.kernels.ACTIVATIONS`.
+per result). Activations: :data:`tiledmlp.kernels.activations.ACTIVATIONS`.
 """
 
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from tiledmlp.kernels.glu import (_activation_and_grad_torch, _activation_torch, _check_activation, _check_distinct,
-                                  _check_no_row_overlap, _check_tensors, _compute, _launch, _output_like, Backend,
-                                  resolve_backend)
+from tiledmlp.kernels.activations import activation_and_grad_torch, activation_torch, check_activation
+from tiledmlp.kernels.launch import (Backend, check_distinct, check_no_row_overlap, check_tensors, launch_rows,
+                                     on_device, output_like, resolve_backend, upcast)
 
 try:
     import triton
@@ -41,16 +40,16 @@ def mlp_forward(u: Tensor, activation: str, out: Optional[Tensor] = None, *, bac
 
     Memory traffic (Triton): reads and writes one element per element (4 B for bf16).
     """
-    _check_activation(activation)
-    _check_tensors(u=u)
-    out = _output_like("u", u, out)
+    check_activation(activation)
+    check_tensors(u=u)
+    out = output_like("u", u, out)
     if u.numel() == 0:
         return out
     if resolve_backend(backend, u) == "triton":
-        _launch(mlp_triton.mlp_forward_kernel, (u, out), activation)
+        launch_rows(mlp_triton.mlp_forward_kernel, (u, out), activation)
     else:
         with torch.no_grad():
-            out.copy_(_activation_torch(_compute(u), activation))
+            out.copy_(activation_torch(upcast(u), activation))
     return out
 
 
@@ -71,10 +70,10 @@ def mlp_backward_(grad_h: Tensor, u: Tensor, activation: str, *, bias_grad: Opti
     Memory traffic (Triton): reads 2 and writes 2 elements per element (8 B for bf16); allocates
     nothing, or with ``bias_grad`` one float32 row per ``_COLSUM_ROWS`` rows.
     """
-    _check_activation(activation)
-    _check_tensors(u=u, grad_h=grad_h)
-    _check_no_row_overlap(u=u, grad_h=grad_h)
-    _check_distinct(u=u, grad_h=grad_h)
+    check_activation(activation)
+    check_tensors(u=u, grad_h=grad_h)
+    check_no_row_overlap(u=u, grad_h=grad_h)
+    check_distinct("mlp_backward_", u=u, grad_h=grad_h)
     if bias_grad is not None and (bias_grad.dtype != torch.float32 or tuple(bias_grad.shape) != (u.shape[1],)
                                   or bias_grad.device != u.device):
         raise ValueError(f"bias_grad must be a float32 [{u.shape[1]}] tensor on {u.device}, got "
@@ -85,13 +84,13 @@ def mlp_backward_(grad_h: Tensor, u: Tensor, activation: str, *, bias_grad: Opti
         return
     if resolve_backend(backend, u) == "triton":
         if bias_grad is None:
-            _launch(mlp_triton.mlp_backward_kernel, (grad_h, u), activation)
+            launch_rows(mlp_triton.mlp_backward_kernel, (grad_h, u), activation)
         else:
             _launch_colsum(grad_h, u, bias_grad, activation)
         return
     with torch.no_grad():
-        act, act_grad = _activation_and_grad_torch(_compute(u), activation)
-        d_u = _compute(grad_h) * act_grad
+        act, act_grad = activation_and_grad_torch(upcast(u), activation)
+        d_u = upcast(grad_h) * act_grad
         grad_h.copy_(act)
         u.copy_(d_u)
         if bias_grad is not None:
@@ -106,7 +105,7 @@ def _launch_colsum(grad_h: Tensor, u: Tensor, bias_grad: Tensor, activation: str
     rows, cols = u.shape
     blocks = triton.cdiv(rows, _COLSUM_ROWS)
     partial = torch.empty(blocks, cols, dtype=torch.float32, device=u.device)
-    with torch.cuda.device(u.device) if u.is_cuda else nullcontext():
+    with on_device(u):
         mlp_triton.mlp_backward_colsum_kernel[(blocks, triton.cdiv(cols, _COLSUM_BLOCK_N))](
             grad_h, u, partial, rows, cols, grad_h.stride(0), u.stride(0), ACTIVATION=activation,
             ROWS=_COLSUM_ROWS, BLOCK_N=_COLSUM_BLOCK_N, num_warps=2)

@@ -2,13 +2,14 @@
 
 Kernels only; launch them through :mod:`tiledmlp.kernels.mlp`. Same conventions as
 :mod:`tiledmlp.kernels.glu_triton` (2-D tensors with unit column stride and their own row
-stride; float32 math; one rounding per stored result), whose activation functions they share.
+stride; float32 math; one rounding per stored result), and the same activation functions
+(:mod:`tiledmlp.kernels.activations_triton`).
 """
 
 import triton
 import triton.language as tl
 
-from tiledmlp.kernels.glu_triton import _activation, _activation_and_grad
+from tiledmlp.kernels.activations_triton import activation, activation_and_grad
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def mlp_forward_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < n_cols
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    h = _activation(u, ACTIVATION)
+    h = activation(u, ACTIVATION)
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -37,7 +38,7 @@ def _backward_row(grad_h_ptrs, u_ptrs, mask, ACTIVATION: tl.constexpr):
     the two tensors do not overlap."""
     grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
-    act, act_grad = _activation_and_grad(u, ACTIVATION)
+    act, act_grad = activation_and_grad(u, ACTIVATION)
     d_u = (grad_h * act_grad).to(u_ptrs.dtype.element_ty)
     tl.store(grad_h_ptrs, act.to(grad_h_ptrs.dtype.element_ty), mask=mask)
     tl.store(u_ptrs, d_u, mask=mask)

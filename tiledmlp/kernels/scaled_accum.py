@@ -23,14 +23,13 @@ Memory traffic (Triton) per update: reads the partial and the accumulator, write
 result instead, so a sum of N partials costs N passes, with no separate finalize pass.
 """
 
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tiledmlp.kernels.glu import Backend, resolve_backend
+from tiledmlp.kernels.launch import Backend, on_device, resolve_backend
 
 try:
     from tiledmlp.kernels import scaled_accum_triton
@@ -105,7 +104,7 @@ def _launch(kernel, acc: Tensor, exps: Tensor, other: Tensor, *extra: Tensor, **
     """``kernel(acc, exps, other, *extra, cols, strides...)``; ``extra`` tensors share ``acc``'s strides."""
     rows, cols = acc.shape
     # Rows go on grid axis 0, the only axis allowed more than 65535 programs.
-    with torch.cuda.device(acc.device) if acc.is_cuda else nullcontext():
+    with on_device(acc):
         kernel[(rows, exps.shape[1])](acc, exps, other, *extra, cols, acc.stride(0), exps.stride(0),
                                       other.stride(0), BLOCK=BLOCK, num_warps=4, **constexprs)
 

@@ -18,7 +18,7 @@ def _pow2(e):
 
 
 @triton.jit
-def _to_bfloat16(x):
+def to_bfloat16(x):
     """float32 -> bfloat16, rounded to nearest even; NaN stays NaN."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -43,7 +43,7 @@ def scaled_accumulate_kernel(acc_ptr, exp_ptr, part_ptr, out_ptr, cols, acc_stri
         a = tl.load(acc_ptr + row * acc_stride + offs, mask=mask, other=0.0).to(tl.float32)
         v = a * _pow2(-e_old) + v
     if LAST:
-        tl.store(out_ptr + row * acc_stride + offs, _to_bfloat16(v), mask=mask)
+        tl.store(out_ptr + row * acc_stride + offs, to_bfloat16(v), mask=mask)
     else:
         # Infinities and NaNs are kept as they are (scaling leaves them so); they do not set the scale.
         mag = tl.abs(v)
@@ -64,4 +64,4 @@ def scaled_finalize_kernel(acc_ptr, exp_ptr, out_ptr, cols, acc_stride, exp_stri
     mask = offs < cols
     e = tl.load(exp_ptr + row * exp_stride + blk)
     a = tl.load(acc_ptr + row * acc_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + offs, _to_bfloat16(a * _pow2(-e)), mask=mask)
+    tl.store(out_ptr + row * out_stride + offs, to_bfloat16(a * _pow2(-e)), mask=mask)

@@ -31,6 +31,7 @@ from ..core.accumulate import block_scaled
 from ..core.sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
                              moe_scratch_per_token, norm_scratch_per_token)
 from ..distributed.tensor_parallel import read_style
+from ..forms.kind import Kind
 from ..forms.moe import ExpertsLayout
 from ..forms.quant import QuantizedLinear
 from ..loss.heads import HeadSpec
@@ -51,7 +52,7 @@ class TileInfo:
     """How one module is tiled (see the module docstring)."""
 
     name: str
-    form: str  # "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
+    form: str  # the value of the module's Kind (tiledmlp.forms.kind), a plain str
     strategy: str
     reason: str  # why the module is generic ("" otherwise)
     computes: str  # what a fast form computes, in the module's names ("" for the others)
@@ -93,21 +94,21 @@ class Description(dict):
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
         infos = list(self.values())
-        mlps = [i for i in infos if i.form not in ("loss", "norm", "proj")]
-        forms = {f: sum(i.form == f for i in mlps) for f in ("glu", "mlp", "moe", "generic")}
+        mlps = [i for i in infos if i.form not in (Kind.LOSS, Kind.NORM, Kind.PROJ)]
+        forms = {f: sum(i.form == f for i in mlps) for f in (Kind.GLU, Kind.MLP, Kind.MOE, Kind.GENERIC)}
         parts = [f"tiled {len(mlps)} MLP{'s' if len(mlps) != 1 else ''}"
                  + (": " + ", ".join(f"{n} {f}" for f, n in forms.items() if n) if mlps else "")]
-        norms = sum(i.form == "norm" for i in infos)
+        norms = sum(i.form == Kind.NORM for i in infos)
         if norms:
             parts.append(f"{norms} normalization layer{'s' if norms != 1 else ''}")
-        projections = sum(i.form == "proj" for i in infos)
+        projections = sum(i.form == Kind.PROJ for i in infos)
         if projections:
             parts.append(f"{projections} LoRA projection{'s' if projections != 1 else ''}")
         heads = [(i.name or "<root>") + (f" (untiled: {i.fallback})" if i.fallback else "")
-                 for i in infos if i.form == "loss"]
+                 for i in infos if i.form == Kind.LOSS]
         if heads:
             parts.append(f"loss tiled at {', '.join(heads)}")
-        fell_back = Counter(i.fallback for i in infos if i.fallback and i.form != "loss")
+        fell_back = Counter(i.fallback for i in infos if i.fallback and i.form != Kind.LOSS)
         if fell_back:  # what calls did instead of what was planned, as the table's rows say
             n = sum(fell_back.values())
             parts.append(f"{n} module{'s' if n != 1 else ''} not as planned ("
@@ -165,10 +166,10 @@ def _policy_words(policy: ShardPolicy) -> str:
 
 def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -> TileInfo:
     spec = state.spec
-    if state.kind == "loss":
+    if state.kind == Kind.LOSS:
         return _loss_info(name, state, strategy, tokens)
     policy = spec.policy
-    base = dict(name=name, form=state.kind, strategy=strategy, reason=state.reason, computes=state.computes,
+    base = dict(name=name, form=str(state.kind), strategy=strategy, reason=state.reason, computes=state.computes,
                 policy=_policy_words(policy), tokens=tokens, fallback=state.fallback,
                 under_compile="operator" if state.traced is not None and not spec.quantized
                 else "eager call, one graph break")
@@ -178,14 +179,14 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     layout = spec.layout
     if isinstance(layout, ExpertsLayout):
         return _moe_info(base, state, params, tokens)
-    if state.kind == "proj":  # sized by float32 copies of its input, and a 4-bit weight's dequantized copy
+    if state.kind == Kind.PROJ:  # sized by float32 copies of its input, and a 4-bit weight's dequantized copy
         owner = spec.slots[0].owner  # the base layer: a 4-bit weight is packed, a Conv1D's is [in, out]
         hidden = getattr(owner, "in_features", None) or owner.nx
         rows = spec.generic_rows(tokens, hidden)
         return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
                         scratch_bytes=rows * norm_scratch_per_token(hidden) + _dequantized_bytes(spec))
     if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
-        norm = state.kind == "norm"
+        norm = state.kind == Kind.NORM
         hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)
         if hidden is None:  # 1-D shards
             return TileInfo(**base)
@@ -239,7 +240,7 @@ def _loss_info(name: str, state: TilingState, strategy: str, tokens: Optional[in
     spec: HeadSpec = state.spec
     options = spec.options
     words = f"mode {options.mode}" + (f", {options.scratch_mib} MiB budget" if options.scratch_mib else "")
-    base = dict(name=name, form="loss", strategy=strategy, reason="", policy=words, tokens=tokens,
+    base = dict(name=name, form=str(Kind.LOSS), strategy=strategy, reason="", policy=words, tokens=tokens,
                 computes=f"LM head + cross-entropy of {spec.owner.name}", fallback=state.fallback,
                 under_compile="untiled loss (real logits); tiled when the head runs outside compiled code")
     params = state.params()

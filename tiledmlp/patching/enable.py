@@ -15,6 +15,7 @@ from torch import nn
 from ..attention.layers import attention_scopes, install_attention, uninstall_attention
 from ..core.accumulate import check_accum_dtype
 from ..core.sharding import LOSS_MODES, ShardPolicy, check_budget_mib
+from ..forms.kind import Kind
 from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.selection import STRATEGY_NAMES
 from ..distributed.sequence_parallel import ulysses_module
@@ -209,7 +210,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     # A tiled norm remembers which output it returned from which input only where q/k/v may take it
     # (tiledmlp.attention): elsewhere nothing would read it.
     for state in states.values():
-        if state.kind == "norm":
+        if state.kind == Kind.NORM:
             state.remembers_output = bool(layers)
     log_summary(model)
     return model
@@ -234,13 +235,13 @@ def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: 
 def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
                            accum: Optional[torch.dtype], loss_options: Optional[LossOptions]) -> None:
     """Options that would silently do nothing or lose precision on this model, said once each."""
-    if projections and not any(s.kind == "proj" for s in states.values()):
+    if projections and not any(s.kind == Kind.PROJ for s in states.values()):
         log.warning("projections=True tiles peft LoRA layers outside the MLPs and heads, but %s has none yet: "
                     "nothing more is tiled now (LoRA layers added later, by get_peft_model or a trainer's "
                     "peft_config, are tiled at the model's next training call)", type(model).__name__)
-    for option, dtype, kinds in (("grad_accum_dtype", accum, lambda k: k != "loss"),
+    for option, dtype, kinds in (("grad_accum_dtype", accum, lambda k: k != Kind.LOSS),
                                  ("loss_grad_accum_dtype", loss_options and loss_options.grad_accum_dtype,
-                                  lambda k: k == "loss")):
+                                  lambda k: k == Kind.LOSS)):
         if dtype is None or dtype.itemsize >= 4:
             continue
         wider = sorted({str(p.dtype) for s in states.values() if kinds(s.kind) for p in s.params() or ()

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..attention.layers import attention_layers
 from ..core.logs import warn_once
+from ..forms.kind import Kind
 from .patch import add
 from .planning import plan_added
 from .state import PlanOptions
@@ -48,7 +49,7 @@ class FollowAdded:
             return
         remembers = bool(attention_layers(model))  # a new norm's output is remembered where attention=True reads it
         for state in states.values():
-            state.remembers_output = state.kind == "norm" and remembers
+            state.remembers_output = state.kind == Kind.NORM and remembers
         add(model, states)
         kinds = sorted({s.kind for s in states.values()})
         warn_once(("added", tuple(states)), "%d module(s) added since enable_tiling are tiled now (%s: %s)",

@@ -22,6 +22,7 @@ from ..core.function import in_shard
 from ..core.logs import warn_once, warn_once_traced
 from ..distributed.detect import is_dtensor
 from ..distributed.hooks import HOOK_TABLES, hooked_children
+from ..forms.kind import Kind
 from ..forms.lora import changed_adapters
 from ..forms.quant import quantized_problem
 from .planning import replan
@@ -149,7 +150,7 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
         return _eager_call(module, reason, args, kwargs)
     generic = state.spec.layout is None
     original = original_forward(module)
-    if state.kind == "moe":
+    if state.kind == Kind.MOE:
         routed, extra = _experts_args(state, args, kwargs)
         if routed is None:
             return original(*args, **kwargs)
@@ -173,7 +174,7 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     if len(state.spec.quantized) > 0:
         return _eager_call(module, "its 4-bit weights are bitsandbytes tensor subclasses, dequantized per call "
                            "outside the graph", args, kwargs)
-    if state.kind == "norm" and (autocast_name(x.device.type) or any(p.dtype != x.dtype for p in params)):
+    if state.kind == Kind.NORM and (autocast_name(x.device.type) or any(p.dtype != x.dtype for p in params)):
         # The operator's output is typed like its input (or autocast's dtype): a norm under autocast or with
         # parameters of another dtype may return another one (LayerNorm runs in float32 under autocast).
         return _eager_call(module, "it is a normalization layer called under autocast or with parameters of "
@@ -183,7 +184,7 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     # the eager call above; and reading hooks' closures, as it does, is not traceable.
     hooked = [] if generic else [name for name, m in module.named_modules()
                                  if name and any(len(getattr(m, table)) for table in HOOK_TABLES)]
-    if len(hooked) > 0 and state.kind == "moe":
+    if len(hooked) > 0 and state.kind == Kind.MOE:
         return _eager_call(module, "hooks are registered on its children (the experts then run untiled)", args,
                            kwargs)
     if len(hooked) > 0:  # a fast form would skip them: the generic form's operator, as the eager call does
@@ -217,7 +218,7 @@ def _eager_call(module: nn.Module, reason: str, args: tuple, kwargs: dict):
 def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled code takes _traced_forward
     state: TilingState = module.__dict__[STATE_ATTR]
     original = original_forward(module)
-    if state.kind == "moe":
+    if state.kind == Kind.MOE:
         return _tiled_experts(module, state, original, args, kwargs)
     x, rebuild = _split_input(state, args, kwargs)
     if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
@@ -291,7 +292,7 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
     state = followed(module, state)
     if state.untiled:
         return original(*args, **kwargs)
-    if state.kind != "moe":  # planned again as another form: its own call
+    if state.kind != Kind.MOE:  # planned again as another form: its own call
         return _tiled_forward(module, *args, **kwargs)
     hooked = hooked_children(module)
     if hooked:

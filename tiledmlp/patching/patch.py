@@ -16,6 +16,7 @@ from torch import nn
 
 from ..core.compiled import module_key
 from ..core.logs import warn_once
+from ..forms.kind import Kind
 from ..distributed.detect import module_path
 from ..distributed.sequence_parallel import split_of
 from ..loss.heads import OWNER_ATTR, LossOwner, TiledHeadForward, check_causal_lm, patch_owner, unpatch_owner
@@ -36,7 +37,7 @@ def install(model: nn.Module, states: dict[str, TilingState]) -> None:
         if STATE_ATTR in module.__dict__ and name not in states:
             _restore(module)
         owner = module.__dict__.get(OWNER_ATTR)
-        if owner is not None and not any(s.kind == "loss" and s.spec.owner.module_name == name
+        if owner is not None and not any(s.kind == Kind.LOSS and s.spec.owner.module_name == name
                                          for s in states.values()):
             unpatch_owner(module)
     add(model, states, modules)
@@ -48,7 +49,7 @@ def add(model: nn.Module, states: dict[str, TilingState], modules: Optional[dict
     for name, state in states.items():
         module = modules[name]
         module.__dict__[STATE_ATTR] = state
-        if state.kind == "loss":
+        if state.kind == Kind.LOSS:
             module.forward = TiledHeadForward(state, original_forward(module))
             state.spec.owner.on_new_head = _follow_new_head
             patch_owner(modules[state.spec.owner.module_name], state.spec.owner, state)

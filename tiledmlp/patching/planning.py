@@ -38,6 +38,7 @@ from ..distributed.detect import Wrapping, fsdp2_units_below, module_path
 from ..distributed.selection import owning_units, strategy_for, validate_forced
 from ..distributed.strategies import Strategy
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from ..forms.mlp import MLPLayout
 from ..forms.quant import quantized_linear
 from ..loss.heads import HeadSpec, LossOptions, LossOwner, check_causal_lm, find_causal_lms, labels_position
@@ -94,7 +95,7 @@ def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = N
         if rec is None:
             continue
         label = name or type(module).__name__
-        if rec.kind == "excluded":  # the block (router included) and its experts; a shared expert is an MLP of its own
+        if rec.kind == Kind.EXCLUDED:  # the block (router included) and its experts; a shared expert is an MLP of its own
             excluded.append(label)
             covered.append(f"{name}.experts" if name else "experts")
             continue
@@ -121,7 +122,7 @@ def plan_added(model: nn.Module, options: PlanOptions, known: set[int]) -> dict[
             continue
         rec = recognize(module, original_forward, options.extra_types, options.include_moe, options.form, root=model,
                         norms=options.norms, projections=options.projections)
-        if rec is not None and rec.kind != "excluded":
+        if rec is not None and rec.kind != Kind.EXCLUDED:
             states[name] = _module_state(model, module, name or type(module).__name__, rec, options)
     return states
 
@@ -139,12 +140,12 @@ def _module_state(model: nn.Module, module: nn.Module, label: str, rec: Recogniz
         )
     forced, path, recheck = _strategy_of(model, module, rec.slots, options.strategy, label, rec)
     spec = TiledCallSpec(name=label, slots=rec.slots, policy=options.policy, layout=rec.layout,
-                         is_moe=rec.moe_block, sized_by_copies=rec.kind in ("norm", "proj"),
+                         is_moe=rec.moe_block, sized_by_copies=rec.kind in (Kind.NORM, Kind.PROJ),
                          grad_accum_dtype=options.grad_accum_dtype, quantized=rec.quantized)
     names = _input_names(original_forward(module))
     return TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module),
                        forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
-                       token_input_names=tuple(names[1:3]) if rec.kind == "moe" else (),
+                       token_input_names=tuple(names[1:3]) if rec.kind == Kind.MOE else (),
                        traced=traced_call_of(module, rec), adapters=rec.adapters, members=tuple(module.named_modules()),
                        options=options, recheck=recheck)
 
@@ -165,8 +166,8 @@ def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
     label = name or type(module).__name__
     kind = state.kind
     rec = recognize(module, original_forward, options.extra_types, options.include_moe, options.form, root=model,
-                    norms=options.norms and kind == "norm", projections=options.projections and kind == "proj")
-    if rec is None or rec.kind == "excluded":
+                    norms=options.norms and kind == Kind.NORM, projections=options.projections and kind == Kind.PROJ)
+    if rec is None or rec.kind == Kind.EXCLUDED:
         return replace(state, members=tuple(module.named_modules()), untiled=(
             f"its submodules changed since enable_tiling ({changes}) and it is no longer recognized as a module "
             "tiling can compute, so it runs its own forward, untiled; call tiledmlp.enable_tiling(model) again "
@@ -200,11 +201,11 @@ def traced_call_of(module: nn.Module, rec: Recognized) -> Optional[TracedCall]:
     if any(slot.owner not in paths for slot in rec.slots):
         return None
     slot_paths = tuple(".".join(filter(None, (paths[slot.owner], slot.name))) for slot in rec.slots)
-    if rec.kind == "norm":  # maps its parameters' width to itself
+    if rec.kind == Kind.NORM:  # maps its parameters' width to itself
         return TracedCall(slot_paths, -1, 0, (rec.slots[0].get().shape[0],))
-    if rec.kind == "proj" and rec.layout is not None:  # sized by the weight's output features
+    if rec.kind == Kind.PROJ and rec.layout is not None:  # sized by the weight's output features
         return TracedCall(slot_paths, rec.layout.proj.weight, 1 if rec.layout.proj.transposed else 0)
-    if rec.kind == "proj":  # generic: the operator's output is sized like its input (a projection that keeps the
+    if rec.kind == Kind.PROJ:  # generic: the operator's output is sized like its input (a projection that keeps the
         base = module.base_layer  # width), and bitsandbytes' packed 4-bit weight is no tensor an operator can take
         keeps_width = base.in_features == base.out_features and quantized_linear(base) is None
         return TracedCall(slot_paths, -1, 0, (base.in_features,)) if keeps_width else None
@@ -250,7 +251,7 @@ def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: s
     forced, path, recheck = _strategy_of(model, head, slots, strategy, label)
     owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
     spec = HeadSpec(label, slots, options, owner)
-    return name, TilingState(spec, "loss", "input", saved_forward(head), forced, path, recheck=recheck)
+    return name, TilingState(spec, Kind.LOSS, "input", saved_forward(head), forced, path, recheck=recheck)
 
 
 def head_slots(head: nn.Module) -> tuple[Slot, ...]:

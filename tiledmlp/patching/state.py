@@ -1,8 +1,8 @@
-"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call
-spec, form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
+"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call spec,
+form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
 options to plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`, and the operators'
-implementations the compiled call runs on it. Imported by the planning (which makes states), the patched forwards
-(which read them) and the installer; imports none of them.
+implementations the compiled call runs on it (:class:`~tiledmlp.core.compiled.OperatorImpl`). Imported by the
+planning (which makes states), the patched forwards (which read them) and the installer; imports none of them.
 
 Design note — a module that changed since it was planned
 --------------------------------------------------------
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..core.compiled import STATE_ATTR
+from ..core.compiled import STATE_ATTR, OperatorImpl
 from ..core.function import backward_shards, forward_shards
 from ..core.sharding import ShardPolicy
 from ..distributed.deepspeed import is_zero_managed
@@ -37,6 +37,7 @@ from ..distributed.selection import owning_units, strategy_for, validate_forced
 from ..distributed.strategies import Strategy
 from ..distributed.tensor_parallel import TPPlan, tp_plan
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from .call_spec import TiledCallSpec
 
 __all__ = ["STATE_ATTR", "PlanOptions", "TilingState", "TracedCall"]
@@ -58,11 +59,12 @@ class PlanOptions:
 
 
 @dataclass
-class TilingState:
-    """Everything the patched forward of one module needs."""
+class TilingState(OperatorImpl):
+    """Everything the patched forward of one module needs, and the compiled call's operators (``core/compiled.py``)
+    through :class:`~tiledmlp.core.compiled.OperatorImpl`, which it implements."""
 
     spec: TiledCallSpec
-    kind: str  # the form: "glu", "mlp", "generic", "moe", "norm", "proj" or "loss"
+    kind: Kind  # the form
     input_name: str
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
@@ -138,7 +140,7 @@ class TilingState:
         """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
         not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
         wrapping, tp = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
-                                      self.reason, head=self.kind == "loss")
+                                      self.reason, head=self.kind == Kind.LOSS)
         if wrapping is not Wrapping.NONE:
             self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
             self.recheck = False
@@ -146,7 +148,7 @@ class TilingState:
     def detected(self, path: list[nn.Module]) -> Strategy:
         """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""
         key = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
-                             head=self.kind == "loss")
+                             head=self.kind == Kind.LOSS)
         if key not in self._auto:
             self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
         return self._auto[key]
@@ -154,8 +156,8 @@ class TilingState:
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
         return {**self.__dict__, "path": [], "_auto": {}}
 
-    # The implementations of the compiled call's operators (``core/compiled.py``): the eager call, cut at the
-    # autograd node, on the tensors the compiled graph passes.
+    # The compiled call's operators (``core/compiled.py``), as their contract OperatorImpl says: the eager call, cut
+    # at the autograd node, on the tensors the compiled graph passes.
 
     def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..forms.base import Slot, is_plain_linear, is_quantized
+from ..forms.kind import Kind
 from ..forms.lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from ..forms.mlp import MLPLayout, Proj
 from ..forms.quant import QuantizedLinear, quantized_linear
@@ -35,9 +36,9 @@ class Recognized:
     (over slot indices). ``reason``: why a module that looks like an MLP got the generic form;
     ``warn``: whether that deserves a warning (not for a generic form the user asked for)."""
 
-    kind: str  # "glu", "mlp", "moe" (fast forms), "generic", "norm" (the generic form, ``tiledmlp.recognize.norms``)
+    kind: Kind  # a fast form (GLU, MLP, MOE, PROJ) or the generic one (GENERIC, NORM, PROJ); EXCLUDED: not tiled
     slots: tuple[Slot, ...]
-    layout: Optional[Any] = None  # an MLPLayout, or an ExpertsLayout for "moe"
+    layout: Optional[Any] = None  # an MLPLayout, an ExpertsLayout for Kind.MOE, a ProjLayout for a fast Kind.PROJ
     reason: str = ""
     warn: bool = False
     computes: str = ""  # what the fast form computes, in the children's names

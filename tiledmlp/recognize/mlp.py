@@ -23,6 +23,7 @@ from ..core.logs import warn_once
 from ..distributed.deepspeed import gathered
 from ..distributed.hooks import hooked_children
 from ..forms.base import Slot, is_plain_linear
+from ..forms.kind import Kind
 from ..forms.mlp import MLPLayout
 from .candidates import (ACT_ATTRS, MLP_NAMES, LinearLike, Recognized, activation_name, candidate_layouts,
                          hidden_sizes, linear_like, proj_of, slot_index)
@@ -99,12 +100,12 @@ def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequenc
         # Named like a Hugging Face GLU, but its projections are not Linear-like (quantized layers, a
         # custom Linear subclass): tiled by its names, as always, with its own forward.
         kinds = sorted({type(c).__name__ for n, c in children.items() if n.endswith("proj")})
-        return Recognized("generic", tuple(slots), warn=fast, reason=(
+        return Recognized(Kind.GENERIC, tuple(slots), warn=fast, reason=(
             f"its projections ({', '.join(kinds)}) are not Linear-like; the fast forms compute nn.Linear, "
             "transformers' Conv1D and LoRA-wrapped linears") if fast else "form='generic' was asked for")
     where = {(id(s.owner), s.name): i for i, s in enumerate(slots)}
     if named and not fast:  # the generic form asked for: the names suffice, no need to run the forward
-        return Recognized("generic", tuple(slots), reason="form='generic' was asked for")
+        return Recognized(Kind.GENERIC, tuple(slots), reason="form='generic' was asked for")
     # ZeRO-3: whole parameters while the probe runs (a collective: every rank enables tiling, in order)
     with gathered([s.get() for s in slots]):
         return _recognize_by_probe(module, forward, slots, linears, hiddens, named, where, fast)
@@ -124,12 +125,12 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
                                       "a Hugging Face MLP's; enable tiling before sharding the model")
         layout = _structural_glu(module, where)
         if layout is not None and hooked:
-            return Recognized("generic", tuple(slots), reason=_hooks_reason(hooked), warn=True)
+            return Recognized(Kind.GENERIC, tuple(slots), reason=_hooks_reason(hooked), warn=True)
         if layout is not None:
             return Recognized(layout.form, tuple(slots), layout,
                               computes=f"Hugging Face GLU ({layout.activation}), by structure: the probe could not run "
                                        f"({unavailable})")
-        return Recognized("generic", tuple(slots), reason=f"the probe could not run ({unavailable}); enable tiling "
+        return Recognized(Kind.GENERIC, tuple(slots), reason=f"the probe could not run ({unavailable}); enable tiling "
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
     adapted = [lin for lin in linears if lin.adapter is not None]
@@ -149,10 +150,10 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         break
     else:
         why = f"its forward failed on probe tokens ({type(failure).__name__}: {failure})"
-        return Recognized("generic", tuple(slots), reason=why, warn=True) if named else _not_tiled(module, why)
+        return Recognized(Kind.GENERIC, tuple(slots), reason=why, warn=True) if named else _not_tiled(module, why)
 
     def generic(reason: str, warn: bool = True) -> Recognized:
-        return Recognized("generic", tuple(slots), reason=reason, warn=warn)
+        return Recognized(Kind.GENERIC, tuple(slots), reason=reason, warn=warn)
 
     if not fast:
         return generic("form='generic' was asked for", warn=False)

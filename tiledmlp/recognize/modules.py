@@ -12,6 +12,7 @@ from torch import nn
 
 from ..distributed.detect import is_fsdp1_wrapper
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from .candidates import Recognized
 from .mlp import recognize_mlp
 from .moe import experts_interface, recognize_experts
@@ -77,7 +78,7 @@ def recognize(module: nn.Module, forward_of: Callable[[nn.Module], Callable[...,
     """What tiling ``module`` (inside ``root``, default itself) means, or None if it is not a
     recognized MLP block (or, with ``norms``, normalization layer; with ``projections``, LoRA-adapted
     projection). A MoE block with ``include_moe=False`` is
-    ``"excluded"``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
+    ``Kind.EXCLUDED``: neither it nor anything inside it (its experts) is tiled. ``experts_seen``: experts modules a
     MoE block's recognition already probed (by ``id``), so that a later call for the experts module itself does
     not probe again. ``forward_of(m)``: the forward ``m`` computes with when not tiled (the one the probes call;
     ``tiledmlp.patching`` passes the one a tiled module had before)."""
@@ -88,15 +89,15 @@ def recognize(module: nn.Module, forward_of: Callable[[nn.Module], Callable[...,
         return None
     slots = param_slots(module) or _flatparam_slots(module, root if root is not None else module)
     if isinstance(module, tuple(_REGISTERED) + tuple(extra_types)):
-        return Recognized("generic", tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
+        return Recognized(Kind.GENERIC, tuple(slots), reason="registered (register_mlp or mlp_types): generic by request")
     if _is_moe(module):
         if not include_moe:
-            return Recognized("excluded", tuple(slots))
+            return Recognized(Kind.EXCLUDED, tuple(slots))
         experts = module.experts
         if form == "auto" and experts_interface(experts, forward_of(experts)):
             rec = experts_seen[id(experts)] = recognize_experts(experts, forward_of(experts),
                                                                 param_slots(experts))
-            if rec.kind == "moe":
+            if rec.kind == Kind.MOE:
                 return None  # the block runs as is; its experts (and a shared expert) are recognized below
             reason = f"its experts ({type(experts).__name__}) cannot take the MoE form: {rec.reason}"
         elif form == "auto":
@@ -104,7 +105,7 @@ def recognize(module: nn.Module, forward_of: Callable[[nn.Module], Callable[...,
                       "weights, forward(hidden_states, top_k_index, top_k_weights))")
         else:
             reason = "form='generic' was asked for"
-        return Recognized("generic", tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
+        return Recognized(Kind.GENERIC, tuple(slots), reason=f"MoE block: {reason}; the whole block, router included, "
                           "is recomputed per shard", warn=form == "auto", moe_block=True)
     forward = forward_of(module)
     if norms:
@@ -117,5 +118,5 @@ def recognize(module: nn.Module, forward_of: Callable[[nn.Module], Callable[...,
             return rec
     if form == "auto" and experts_interface(module, forward):
         rec = experts_seen.pop(id(module), None) or recognize_experts(module, forward, slots)
-        return rec if rec.kind == "moe" else None  # outside a MoE block, experts are tiled by the MoE form only
+        return rec if rec.kind == Kind.MOE else None  # outside a MoE block, experts are tiled by the MoE form only
     return recognize_mlp(module, forward, slots, fast=form == "auto")

@@ -30,6 +30,7 @@ from torch import nn
 from ..distributed.deepspeed import full_shape, gathered
 from ..distributed.detect import is_dtensor
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from ..forms.moe import GATE_ATTRS, ExpertsLayout, MoEForm
 from .candidates import Recognized
 from .probe import PROBE_ACTIVATIONS, PROBE_RTOL, Probe, exact_float32, probe_unavailable, rel_max_err
@@ -146,15 +147,15 @@ def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:
 
 
 def recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Recognized:
-    """The MoE form for an experts module (kind ``"moe"``, layout an :class:`ExpertsLayout` over ``slots``
-    with ``computes`` saying what it computes), or kind ``"generic"`` with the reason it cannot be used."""
+    """The MoE form for an experts module (kind ``Kind.MOE``, layout an :class:`ExpertsLayout` over ``slots``
+    with ``computes`` saying what it computes), or ``Kind.GENERIC`` with the reason it cannot be used."""
     with gathered([s.get() for s in slots]):  # ZeRO-3: whole weights while the probe runs
         return _recognize_experts(module, forward, slots)
 
 
 def _recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Recognized:
     def generic(reason: str) -> Recognized:
-        return Recognized("generic", tuple(slots), reason=reason, warn=True)
+        return Recognized(Kind.GENERIC, tuple(slots), reason=reason, warn=True)
 
     params = [s.get() for s in slots]
     reason = _unsupported(module, params)
@@ -204,7 +205,7 @@ def _recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Se
     matches = kernel or own
     if len(matches) == 1:
         words, lay = matches[0]
-        return Recognized("moe", tuple(slots), lay, computes=f"experts: {words}, routed once")
+        return Recognized(Kind.MOE, tuple(slots), lay, computes=f"experts: {words}, routed once")
     if matches:
         return generic("the probe matched several expert layouts (" + "; ".join(w for w, _ in matches) + ")")
     return generic("its forward matches no expert layout: x -> up[e] -> GLU or activation (fused, or its own "

@@ -47,6 +47,7 @@ from torch import nn
 from ..distributed.deepspeed import is_zero3_param
 from ..distributed.tensor_parallel import has_tp_hooks
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from .candidates import Recognized
 from .probe import PROBE_RTOL, PROBE_TOKENS, Probe, probe_unavailable, rel_max_err
 
@@ -59,7 +60,7 @@ _PROBE_SCALE = 3.0
 
 
 def recognize_norm(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized("norm")`` for a normalization layer (see the design note), else None. ``forward``: the
+    """``Recognized(Kind.NORM)`` for a normalization layer (see the design note), else None. ``forward``: the
     module's original forward."""
     if next(module.children(), None) is not None or not 1 <= len(slots) <= 2 or has_tp_hooks(module):
         return None
@@ -86,5 +87,5 @@ def recognize_norm(module: nn.Module, forward: Callable[..., Any], slots: Sequen
         return None
     if rel_max_err(scaled, ref) > SCALE_RTOL or rel_max_err(trained, ref) > PROBE_RTOL:
         return None
-    return Recognized("norm", tuple(slots), computes=f"{type(module).__name__}: per-token normalization of {hidden} "
+    return Recognized(Kind.NORM, tuple(slots), computes=f"{type(module).__name__}: per-token normalization of {hidden} "
                       "features")

@@ -15,15 +15,14 @@ allow:
 * two projections: ``down(act(up(x)))``, and ``down(act(u[:I]) * u[I:])`` for ``u = up(x)`` of
   twice the down projection's input width (fused gate/up);
 
-each with SiLU, GELU (exact and tanh), ReLU and squared ReLU. The probe computes in float32 with
-full-precision matmuls (float32 copies of 16-bit weights, for the probe only), on inputs scaled
-so the pre-activations span the range where the activations differ (GELU and its tanh
-approximation differ by ~1e-4 relative there, float32 rounding ~1e-7). Exactly one candidate
-must match within ``PROBE_RTOL``; none or several means generic. The probe also checks that the
-forward is per-token (two halves of the probe tokens computed apart give the whole, which is what
-tiling relies on; attention fails it) and that training mode computes the same thing (no
-dropout): a module that mixes tokens is never tiled, one that differs in training mode gets the
-generic form, which replays it exactly.
+each with every activation the kernels compute (``PROBE_ACTIVATIONS``, the kernels' table: SiLU, GELU exact and
+tanh, ReLU, squared ReLU). The probe computes in float32 with full-precision matmuls (float32 copies of 16-bit
+weights, for the probe only), on inputs scaled so the pre-activations span the range where the activations differ
+(GELU and its tanh approximation differ by ~1e-4 relative there, float32 rounding ~1e-7). Exactly one candidate
+must match within ``PROBE_RTOL``; none or several means generic. The probe also checks that the forward is
+per-token (two halves of the probe tokens computed apart give the whole, which is what tiling relies on; attention
+fails it) and that training mode computes the same thing (no dropout): a module that mixes tokens is never tiled,
+one that differs in training mode gets the generic form, which replays it exactly.
 
 Sharded parameters — FSDP2's or a tensor-parallel plan's DTensors — are gathered for the probe
 (``full_tensor()``: one all-gather per parameter, at enable time, in the same order on every rank,
@@ -52,7 +51,7 @@ from ..distributed.detect import fsdp2_units_below, is_dtensor
 from ..distributed.hooks import silenced_hooks
 from ..forms.base import Slot, dedupe, swapped
 from ..forms.lora import LowRank
-from ..forms.mlp import MLPForm, MLPLayout
+from ..forms.mlp import ACTIVATIONS, MLPForm, MLPLayout
 from ..forms.quant import dequantizable, dequantize, quant_state_of
 from .candidates import LinearLike
 
@@ -61,7 +60,7 @@ __all__ = ["Probe", "PROBE_RTOL", "PROBE_TOKENS", "PROBE_ACTIVATIONS", "exact_fl
 
 PROBE_RTOL = 1e-5  # largest relative max-error of a matching candidate (float32, full-precision matmuls)
 PROBE_TOKENS = 16
-PROBE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+PROBE_ACTIVATIONS = ACTIVATIONS  # every activation the fast forms compute: the kernels' table, tried in its order
 _PRE_ACTIVATION_STD = 2.0  # the probe's pre-activations: where GELU and its tanh form differ most
 
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..distributed.tensor_parallel import has_tp_hooks
 from ..forms.base import Slot
+from ..forms.kind import Kind
 from ..forms.lora import is_peft_lora
 from ..forms.proj import ProjLayout
 from .candidates import Recognized, linear_like, proj_of
@@ -46,7 +47,7 @@ __all__ = ["recognize_projection"]
 
 
 def recognize_projection(module: nn.Module, slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized("proj")`` for a LoRA-adapted linear projection (see the design note), else None: with the fast
+    """``Recognized(Kind.PROJ)`` for a LoRA-adapted linear projection (see the design note), else None: with the fast
     form's layout, or (adapter dropout, DoRA, several active adapters, ...) the generic form and the reason."""
     if not is_peft_lora(module) or len(slots) == 0 or has_tp_hooks(module) or has_tp_hooks(module.base_layer):
         return None  # a tensor-parallel projection holds a slice of the features; its plan computes it
@@ -56,7 +57,7 @@ def recognize_projection(module: nn.Module, slots: Sequence[Slot]) -> Optional[R
     weights = f"4-bit {lin.quant.quant_type} base weight" if lin.quant is not None else "base weight"
     what = f"{type(module).__name__}: {lin.in_features} -> {lin.out_features} features ({weights}"
     if lin.wrapper:
-        return Recognized("proj", tuple(slots), reason=f"{what}) on the generic form, recomputed per shard: its "
+        return Recognized(Kind.PROJ, tuple(slots), reason=f"{what}) on the generic form, recomputed per shard: its "
                           f"{lin.wrapper.removeprefix('LoRA adapters (peft): ')}", warn=True)
     # The adapter's B before its A, as untiled backward finishes them: the node's gradients become ready in this
     # order, which DDP's buckets (rebuilt in the order of the first backward) follow.
@@ -65,5 +66,5 @@ def recognize_projection(module: nn.Module, slots: Sequence[Slot]) -> Optional[R
     where = {(id(slot.owner), slot.name): i for i, slot in enumerate(slots)}
     layout = ProjLayout(proj_of(lin, where))
     quantized = () if lin.quant is None else ((layout.proj.weight, lin.quant),)
-    return Recognized("proj", tuple(slots), layout=layout, adapters=(lin.adapter,), quantized=quantized,
+    return Recognized(Kind.PROJ, tuple(slots), layout=layout, adapters=(lin.adapter,), quantized=quantized,
                       computes=f"{what}, adapter {lin.adapter.name!r}); backward recomputes only x @ A.T")
