@@ -77,9 +77,9 @@ class _Clock:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
 
     def _hook_host_buffers(self) -> None:
-        from tiledmlp import offload
+        from tiledmlp.offload.host import HostOffload
 
-        original = offload.HostOffload._host_buffer
+        original = HostOffload._host_buffer
 
         def timed(offloader: Any, nbytes: int) -> torch.Tensor:
             begin, count = time.perf_counter(), offloader.stats["host_buffers"]
@@ -88,7 +88,7 @@ class _Clock:
             self.host_buffers += offloader.stats["host_buffers"] - count
             return buf
 
-        offload.HostOffload._host_buffer = timed
+        HostOffload._host_buffer = timed
 
     def read(self) -> tuple[float, int, float, int]:
         values = (self.compile_s, self.compiles, self.host_s, self.host_buffers)

@@ -60,7 +60,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from tiledmlp.offload import offloader_for  # noqa: E402
+from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)

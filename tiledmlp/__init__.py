@@ -46,9 +46,7 @@ map and follows one call through it):
 
 from __future__ import annotations
 
-import importlib
-import sys
-
+from ._deprecated import install as install_moved_paths
 from .core.sharding import ShardPolicy, auto_num_shards
 from .distributed.context_parallel import RepeatedKVHeads, RingReady, repeat_kv_heads, ring_ready
 from .distributed.selection import STRATEGY_NAMES
@@ -86,24 +84,7 @@ __all__ = [
 ]
 __version__ = "0.4.0"
 
-#: Module paths of tiledmlp 0.1.0, before the subpackages: each still imports, as the module that now holds its
-#: code (README, "Layout"). The old modules whose names are now packages (``loss``, ``attention``, ``offload``,
-#: ``forms``, ``recognize``, ``patching``) export what they did from the package. ``tiledmlp.describe`` imports as
-#: ``tiledmlp.patching.describe`` too, while the attribute stays the function.
-_MOVED = {
-    "function": "core.function", "accumulate": "core.accumulate", "sharding": "core.sharding",
-    "compiled": "core.compiled", "logs": "core.logs",
-    "mlp_form": "forms.mlp", "moe_form": "forms.moe", "lora": "forms.lora", "proj_form": "forms.proj",
-    "quant": "forms.quant",
-    "hooks": "distributed.hooks",
-    "heads": "loss.heads", "lazy_logits": "loss.lazy_logits",
-    "grouped_attention": "attention.grouped",
-    "recognize_moe": "recognize.moe", "norms": "recognize.norms", "projections": "recognize.projections",
-    "runtime": "patching.call_spec", "state": "patching.state", "planning": "patching.planning",
-    "tiled_forward": "patching.forwards",
-}
-for _old, _new in _MOVED.items():
-    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")
-    globals()[_old] = sys.modules[f"{__name__}.{_old}"]
-del _old, _new
-sys.modules[f"{__name__}.describe"] = importlib.import_module(f"{__name__}.patching.describe")
+#: The import paths of older versions (``tiledmlp.function``, ``tiledmlp.offload.offloader_for``, ...) still import,
+#: with a DeprecationWarning naming the new path, until 0.5.0: ``tiledmlp/_deprecated.py``.
+__getattr__ = install_moved_paths()
+del install_moved_paths

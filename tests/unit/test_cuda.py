@@ -228,7 +228,7 @@ def test_host_offload_is_bit_identical_and_frees_the_layer_inputs():
     attention's recompute; ``bench_longctx.py`` measures the peak where the inputs decide it.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tiledmlp import offload
+    from tiledmlp.offload.checkpointing import offloader_for
 
     config = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
                          num_attention_heads=8, num_key_value_heads=4, attn_implementation="eager")
@@ -256,7 +256,7 @@ def test_host_offload_is_bit_identical_and_frees_the_layer_inputs():
     (loss_ref, grads_ref, kept_ref), (loss, grads, kept) = results
     assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
     layer_input = 4096 * 1024 * 2
-    offloaded = offload.offloader_for(torch.device("cuda", torch.cuda.current_device())).stats
+    offloaded = offloader_for(torch.device("cuda", torch.cuda.current_device())).stats
     assert offloaded["host_buffers"] == 6 and offloaded["regions"] == offloaded["restored"] == 12
     # the 6 layer inputs the checkpoints keep are in host memory (one may still be in flight)
     assert kept_ref - kept >= 5 * layer_input, (kept_ref / 2**20, kept / 2**20)

@@ -4,11 +4,7 @@ parameter slots), ``mlp`` (gated and plain MLPs straight from their weights), ``
 once), ``lora`` (peft LoRA adapters inside the fast forms), ``proj`` (a LoRA-adapted projection alone), ``quant``
 (bitsandbytes 4-bit base weights, dequantized per pass), ``kind`` (which form a module takes: :class:`Kind`).
 
-Imports ``tiledmlp.core`` and ``tiledmlp.kernels``. (``tiledmlp.forms`` was one module before the subpackages; what
-it exported still is, below.)
+Imports ``tiledmlp.core`` and ``tiledmlp.kernels``. (``tiledmlp.forms`` was one module before the subpackages; what it
+exported still reads from here until 0.5.0, with a DeprecationWarning naming the defining module:
+``tiledmlp/_deprecated.py``.)
 """
-
-from .base import ModuleForm, Slot, is_plain_linear, is_quantized, swapped
-from .kind import Kind
-
-__all__ = ["Kind", "Slot", "ModuleForm", "is_plain_linear", "is_quantized", "swapped"]

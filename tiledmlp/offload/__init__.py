@@ -4,13 +4,6 @@ buffers, side-stream copies, prefetch, and their design notes), ``chain`` (input
 take, control groups included), ``checkpointing`` (the entry points: a drop-in
 ``checkpoint``, Hugging Face layers' checkpoint function replaced and restored).
 
-Imports ``tiledmlp.core``. (``tiledmlp.offload`` was one module before the subpackages; what it exported still
-is, below.)
+Imports ``tiledmlp.core``. (``tiledmlp.offload`` was one module before the subpackages; what it exported still reads
+from here until 0.5.0, with a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
 """
-
-from .checkpointing import (OFFLOAD_TARGETS, OffloadingCheckpointFunc, checkpoint, checkpointed_layers,
-                            install_offload, offload_problems, offloaded_layers, offloader_for, uninstall_offload)
-from .host import HostOffload
-
-__all__ = ["HostOffload", "OffloadingCheckpointFunc", "OFFLOAD_TARGETS", "checkpoint", "checkpointed_layers",
-           "install_offload", "uninstall_offload", "offloaded_layers", "offload_problems", "offloader_for"]

@@ -5,12 +5,6 @@ decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normaliz
 (LoRA-adapted projections).
 
 Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core.logs``.
-(``tiledmlp.recognize`` was one module before the subpackages; what it exported still is, below.)
+(``tiledmlp.recognize`` was one module before the subpackages; what it exported still reads from here until 0.5.0, with
+a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
 """
-
-from .candidates import MLP_NAMES, LinearLike, Recognized, activation_name, hidden_sizes, linear_like
-from .mlp import recognize_mlp
-from .probe import PROBE_ACTIVATIONS, PROBE_RTOL
-
-__all__ = ["Recognized", "LinearLike", "hidden_sizes", "linear_like", "recognize_mlp", "activation_name",
-           "PROBE_RTOL", "PROBE_ACTIVATIONS", "MLP_NAMES"]

@@ -126,8 +126,8 @@ class _ExpertsProbe:
 
     def candidate(self, layout: ExpertsLayout, gate_fn: Optional[Callable[..., Any]]) -> torch.Tensor:
         with torch.no_grad(), exact_float32():
-            form = MoEForm(layout.remap(self.probe._index), gate_fn)
-            return form.forward_shard(self.x, self.probe._unique, side=(self.index, self.weights))[0]
+            form = MoEForm(layout.remap(self.probe.unique_index), gate_fn)
+            return form.forward_shard(self.x, self.probe.unique, side=(self.index, self.weights))[0]
 
 
 def _unsupported(module: nn.Module, params: Sequence[torch.Tensor]) -> str:

@@ -120,7 +120,7 @@ class Probe:
             self._randomize_projection(lin, weight, bias, gen)
         for adapter, weight in zip(adapters, weights):
             self._randomize(adapter, weight)
-        self._unique, self._index = dedupe(self.proxies)
+        self.unique, self.unique_index = dedupe(self.proxies)
         self.stand_ins = {lin.weight.owner: _StandIn(self.proxies[weight], None if bias is None else self.proxies[bias])
                           for lin, weight, bias in projections if lin.quant is not None}
         self.x = torch.empty(0)
@@ -183,7 +183,7 @@ class Probe:
 
     def candidate(self, layout: MLPLayout) -> torch.Tensor:
         with torch.no_grad(), exact_float32():
-            return MLPForm(layout.remap(self._index)).forward_shard(self.x[0], self._unique)[0]
+            return MLPForm(layout.remap(self.unique_index)).forward_shard(self.x[0], self.unique)[0]
 
 
 class _StandIn(nn.Module):

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
-from tiledmlp import offload
 from tiledmlp.offload import host
+from tiledmlp.offload.checkpointing import OffloadingCheckpointFunc, offloader_for
+from tiledmlp.offload.host import HostOffload
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_offloaders")
@@ -46,7 +47,7 @@ def test_hf_llama_bit_identical_and_everything_comes_back():
     tiledmlp.enable_tiling(got, loss=True, tile_tokens=16, offload="cpu")
     assert tiledmlp.offloaded_layers(got) == [f"model.layers.{i}" for i in range(LAYERS)]
     assert "checkpointed inputs of 3 layers offloaded to host" in tiledmlp.describe(got).summary()
-    host = offload.offloader_for(torch.device("cpu"))
+    host = offloader_for(torch.device("cpu"))
     for k in range(2):
         loss_ref, grads_ref, out_ref = step(ref, ids, output_hidden_states=True)
         loss, grads, out = step(got, ids, output_hidden_states=True)
@@ -64,7 +65,7 @@ def test_inputs_are_freed_between_forward_and_recompute():
     ids = torch.randint(128, (2, TOKENS), generator=torch.Generator().manual_seed(2))
     model = tiledmlp.enable_tiling(llama(), tile_tokens=16, offload="cpu")
     loss = model(input_ids=ids, labels=ids).loss
-    host = offload.offloader_for(torch.device("cpu"))
+    host = offloader_for(torch.device("cpu"))
     regions = [ref() for ref in host._live]
     assert len(regions) == LAYERS
     assert all(t.untyped_storage().size() == 0 for r in regions for t in r.tensors)  # off the device
@@ -102,10 +103,10 @@ def test_custom_model_drop_in_checkpoint():
     blocks = nn.ModuleList(Block() for _ in range(4))
     x = torch.randn(2, TOKENS, HIDDEN, requires_grad=True)
     ref = custom_step(blocks, x, functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
-    offload.offloader_for(torch.device("cpu")).min_bytes = 1024  # the hidden states go, the 0-dim scale stays
+    offloader_for(torch.device("cpu")).min_bytes = 1024  # the hidden states go, the 0-dim scale stays
     got = custom_step(blocks, x, tiledmlp.checkpoint)
     assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
-    stats = offload.offloader_for(torch.device("cpu")).stats
+    stats = offloader_for(torch.device("cpu")).stats
     assert stats["regions"] == stats["restored"] == 4
     assert stats["offloaded_bytes"] == 4 * 2 * TOKENS * HIDDEN * 4
 
@@ -114,12 +115,12 @@ def test_custom_model_drop_in_checkpoint():
 def test_the_previous_region_comes_back_when_prefetch_says(mode, monkeypatch):
     """``prefetch="early"``: while a block recomputes, the previous block's inputs are already back; ``"late"``
     (the default): they start back only when this block's input gradient is computed. Bit-identical either way."""
-    monkeypatch.setattr(offload.HostOffload, "prefetch", mode)
+    monkeypatch.setattr(HostOffload, "prefetch", mode)
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block() for _ in range(4))
     x = torch.randn(2, TOKENS, HIDDEN, requires_grad=True)
     ref = custom_step(blocks, x, functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
-    host = offload.offloader_for(torch.device("cpu"))
+    host = offloader_for(torch.device("cpu"))
     h, scale = x, torch.tensor(0.5)
     for block in blocks:
         h = tiledmlp.checkpoint(block, h, scale)
@@ -140,13 +141,13 @@ def test_an_output_aliasing_the_input_keeps_it():
         y = tiledmlp.checkpoint(lambda t: t.view_as(t), x * 1.0)
         y.sum().backward()
     assert torch.equal(x.grad, 2 * torch.ones_like(x))
-    assert offload.offloader_for(torch.device("cpu")).stats["host_buffers"] == 1  # its buffer went back to the pool
+    assert offloader_for(torch.device("cpu")).stats["host_buffers"] == 1  # its buffer went back to the pool
 
 
 def test_no_grad_offloads_nothing():
     with torch.no_grad():
         tiledmlp.checkpoint(lambda t: t * 2, torch.randn(4, HIDDEN))
-    assert offload.offloader_for(torch.device("cpu")).stats["regions"] == 0
+    assert offloader_for(torch.device("cpu")).stats["regions"] == 0
 
 
 @pytest.mark.parametrize("make, words", [
@@ -182,7 +183,7 @@ def test_disable_restores_the_checkpoint_function():
     model = llama()
     before = model.model.layers[0]._gradient_checkpointing_func
     tiledmlp.enable_tiling(model, offload="cpu")
-    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, offload.OffloadingCheckpointFunc)
+    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, OffloadingCheckpointFunc)
     tiledmlp.enable_tiling(model)  # re-configured without offload
     assert model.model.layers[0]._gradient_checkpointing_func is before
     tiledmlp.enable_tiling(model, offload="cpu")
@@ -222,11 +223,11 @@ def test_torch_checkpoint_wrapper_layers_are_offloaded():
         x.grad = None
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert tiledmlp.offloaded_layers(model) == ["0", "1", "2"]
-    stats = offload.offloader_for(torch.device("cpu")).stats
+    stats = offloader_for(torch.device("cpu")).stats
     assert stats["regions"] == stats["restored"] == 3
     tiledmlp.disable_tiling(model)
     assert tiledmlp.offloaded_layers(model) == [] and not isinstance(model[0].checkpoint_fn,
-                                                                      offload.OffloadingCheckpointFunc)
+                                                                      OffloadingCheckpointFunc)
 
 
 def test_reentrant_checkpoint_wrapper_is_refused():

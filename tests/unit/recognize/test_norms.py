@@ -276,7 +276,7 @@ def test_hf_models_with_norms_tiled_train_like_untiled(family):
 def test_with_checkpointing_and_host_offload_bit_for_bit_like_without_offload():
     """The million-token configuration: checkpointed layers, loss, norms and offload, against the same model
     without offload (bit for bit) and against the untiled model."""
-    from tiledmlp import offload
+    from tiledmlp.offload.checkpointing import offloaded_layers
 
     ref = build("llama", use_cache=False)
     ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -287,7 +287,7 @@ def test_with_checkpointing_and_host_offload_bit_for_bit_like_without_offload():
         ids = batch()
         model(input_ids=ids, labels=ids).loss.backward()
         runs.append([p.grad for p in model.parameters()])
-    assert offload.offloaded_layers(model)
+    assert offloaded_layers(model)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     ids = batch()
