@@ -118,6 +118,21 @@ def documented_layers() -> dict[str, set[str]]:
     return allowed
 
 
+def documented_floors() -> dict[str, int]:
+    """``{package: its floor}`` from the table in docs/design.md."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    return {pkg: int(n) for n, pkg in re.findall(r"^\| (\d+) \| `(\w+)/` \|", text, re.M)}
+
+
+def test_the_table_only_lets_a_package_import_floors_below_it():
+    """No import up or across a floor: the clients on one floor (loss, attention, offload, recognize) do not import
+    each other."""
+    floors = documented_floors()
+    wrong = sorted((pkg, other) for pkg, allowed in documented_layers().items() for other in allowed
+                   if floors[other] >= floors[pkg])
+    assert not wrong, f"docs/design.md lets these import a package on their floor or above: {wrong}"
+
+
 def test_the_documented_table_names_every_subpackage():
     subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert set(documented_layers()) == subpackages
