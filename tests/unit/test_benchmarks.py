@@ -223,3 +223,13 @@ def test_bench_ddp_measures_one_zero3_engine_per_process_on_gpus():
     bench_ddp.check_one_variant_per_engine(one, torch.device("cuda", 0))
     ddp = bench_ddp.parse_args(["--wrap", "ddp", "--variants", "untiled,tiled"])
     bench_ddp.check_one_variant_per_engine(ddp, torch.device("cuda", 0))
+
+
+def test_walk_one_call_follows_a_tiled_call_through_the_packages():
+    """benchmarks/walk_one_call.py: where one tiled MLP call goes, by package (a call after the first recognizes
+    nothing; that it reads no wrapping either is tests/unit/distributed/test_selection.py's)."""
+    import walk_one_call
+
+    result = walk_one_call.main()
+    assert {"patching", "core", "forms"} <= set(result["entered"]) and result["moves"] > 0
+    assert "recognize" not in result["entered"]

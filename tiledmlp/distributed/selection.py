@@ -1,20 +1,33 @@
-"""Which strategy a tiled module gets: the one its wrapping calls for (``auto``: ``detect.py`` reads the wrapping,
-at enable time and again per call), or a forced name checked against it; composed with tensor parallelism where
-the module has a ``parallelize_module`` plan.
+"""Which strategy a tiled call gets — the one room that picks, for the patched modules, ``apply_tiled_mlp`` and the
+functional loss: the one its wrapping calls for (``auto``: ``detect.py`` reads the wrapping, ``tensor_parallel.py``
+the plan), or a forced name checked against it; composed with tensor parallelism where the module has a
+``parallelize_module`` plan.
+
+Design note — decided once, checked cheaply
+-------------------------------------------
+A module's wrapping changes only when the user wraps it (DDP, FSDP, a DeepSpeed engine, ``parallelize_module``):
+its path of modules, their types, or its parameter tensors change, ZeRO marks its parameters, or DDP's forward is
+running (``DistributedDataParallel._active_ddp_module``, the one global a wrapper sets). :class:`StrategyChoice`
+keeps the last decision with that key — a tuple of identities, types and two flags, read per call — and decides
+again (detect, read the TP plan, pick) only when it differs. Cost per call: the slots' reads and one tuple compare.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
+import torch
 from torch import nn
 
-from .detect import Wrapping
+from ..forms.base import Slot
+from .deepspeed import is_zero3_param, is_zero_managed
+from .detect import Wrapping, detect_wrapping
 from .strategies import (DDPStrategy, DeepSpeedStrategy, FSDP1Strategy, FSDP2Strategy, NoSyncStrategy, PlainStrategy,
                          Strategy, TPStrategy)
-from .tensor_parallel import TPPlan
+from .tensor_parallel import TPPlan, tp_plan
 
-__all__ = ["STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units"]
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units", "wrapping_of",
+           "StrategyChoice", "strategy_of_call"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (PlainStrategy, DDPStrategy, NoSyncStrategy, FSDP2Strategy, FSDP1Strategy,
@@ -70,3 +83,57 @@ def owning_units(path: Sequence[nn.Module], wrapping: Wrapping) -> list[nn.Modul
         if isinstance(mod, FSDPModule):
             return [mod]
     return []
+
+
+def wrapping_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
+                reason: str = "", head: bool = False) -> tuple[Wrapping, Optional[TPPlan]]:
+    """The data-parallel wrapping of ``path[-1]`` and its tensor-parallel plan (None: not TP); raises
+    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``; ``head``: a tiled LM
+    head, which must not be tensor parallel)."""
+    slots = list(slots)
+    params = [s.get() for s in slots]
+    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params),
+                               zero_params=any(is_zero_managed(p) for p in params))
+    return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
+                             reason=reason, head=head)
+
+
+class StrategyChoice:
+    """The strategy ``auto`` picks for one tiled module, decided once per wrapping (design note "decided once,
+    checked cheaply"): :meth:`choose` returns the last decision while the module's path, types, parameters and
+    wrappers' flags are those it was made for."""
+
+    __slots__ = ("key", "strategy")
+
+    def __init__(self) -> None:
+        self.key: Optional[tuple] = None
+        self.strategy: Optional[Strategy] = None
+
+    @staticmethod
+    def _key(path: Sequence[nn.Module], params: Sequence[Any]) -> tuple:
+        return (tuple(map(id, path)), tuple(map(type, path)), tuple(map(id, params)), tuple(map(type, params)),
+                tuple(is_zero_managed(p) for p in params),
+                nn.parallel.DistributedDataParallel._active_ddp_module is not None)
+
+    def choose(self, path: list[nn.Module], slots: Sequence[Slot], layout: Optional[Any], label: str, reason: str = "",
+               head: bool = False) -> Strategy:
+        key = self._key(path, [s.get() for s in slots])
+        if key != self.key or self.strategy is None:
+            wrapping, tp = wrapping_of(path, slots, layout, label, reason, head)
+            self.key, self.strategy = key, strategy_for(wrapping, owning_units(path, wrapping), tp)
+        return self.strategy
+
+
+def strategy_of_call(params: Sequence[torch.Tensor], module: Optional[nn.Module] = None) -> Strategy:
+    """The strategy of a functional call (``apply_tiled_mlp``, ``tiled_linear_cross_entropy``), which sees only
+    ``params`` (and the module they belong to, if any): DeepSpeed's if ZeRO-3 partitions them, FSDP2's if ``module``
+    is a unit, else the plain mechanics, already DDP- and ZeRO-1/2-correct (one gradient per parameter per
+    backward)."""
+    if any(is_zero3_param(p) for p in params):
+        return DeepSpeedStrategy()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return PlainStrategy()
+    return FSDP2Strategy([module]) if isinstance(module, FSDPModule) else PlainStrategy()
+

@@ -57,9 +57,10 @@ from ..core.function import run_tiled
 from ..core.logs import warn_once
 from ..core.sharding import (LOSS_MODES, MIN_FUSED_ROWS, check_budget_mib, chunk_bounds, format_mib,
                              fused_loss_budget_bytes, loss_budget_bytes, loss_tile)
-from ..distributed.deepspeed import gathered, is_zero3_param
+from ..distributed.deepspeed import gathered
 from ..distributed.detect import is_dtensor
-from ..distributed.strategies import DeepSpeedStrategy, PlainStrategy, Strategy
+from ..distributed.selection import strategy_of_call
+from ..distributed.strategies import Strategy
 from ..kernels.cross_entropy import LogitTransform, ce_finalize, ce_grad_, ce_stats_, new_stats, stats_dtype
 
 
@@ -344,7 +345,7 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     params = [t for t in (weight, bias) if t is not None]
     # A ZeRO-3-partitioned head (read outside DeepSpeed's forward, or released since) is gathered for the
     # call and again to deliver its gradient (distributed/deepspeed.py).
-    strategy = DeepSpeedStrategy() if any(is_zero3_param(p) for p in params) else PlainStrategy()
+    strategy = strategy_of_call(params)
     with gathered(params):
         return linear_cross_entropy(strategy, None, lambda: (weight, bias), hidden, labels, spec,
                                     num_items_in_batch, grad_accum_dtype, "tiled_linear_cross_entropy")

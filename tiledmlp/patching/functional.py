@@ -10,28 +10,14 @@ import torch
 from torch import nn
 
 from ..core.sharding import ShardPolicy
-from ..distributed.deepspeed import check_deepspeed_module, is_zero3_param
-from ..distributed.strategies import DeepSpeedStrategy, FSDP2Strategy, PlainStrategy, Strategy
+from ..distributed.deepspeed import check_deepspeed_module
+from ..distributed.selection import strategy_of_call
+from ..distributed.strategies import DeepSpeedStrategy
 from ..distributed.tensor_parallel import has_tp_hooks
-from .call_spec import TiledCallSpec
 from ..recognize.modules import param_slots
+from .call_spec import TiledCallSpec
 
 __all__ = ["apply_tiled_mlp"]
-
-
-def _functional_strategy(module: nn.Module) -> Strategy:
-    """``apply_tiled_mlp`` sees only the MLP: FSDP2 if it is a unit, DeepSpeed if ZeRO-3 partitions its
-    parameters, else the plain mechanics, which are already DDP- and ZeRO-1/2-correct (one gradient per
-    parameter per backward)."""
-    if any(is_zero3_param(p) for p in module.parameters()):
-        return DeepSpeedStrategy()
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return PlainStrategy()
-    if isinstance(module, FSDPModule):
-        return FSDP2Strategy([module])
-    return PlainStrategy()
 
 
 def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn.Module, x: torch.Tensor,
@@ -86,7 +72,7 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
             f"{type(mlp_module).__name__} is tensor parallel (parallelize_module); apply_tiled_mlp would run "
             "its collectives once per shard. Use tiledmlp.enable_tiling(model), whose 'tp' strategy tiles "
             "the local shards between the untiled module's collectives.")
-    strategy = _functional_strategy(mlp_module)
+    strategy = strategy_of_call(list(mlp_module.parameters()), mlp_module)
     if isinstance(strategy, DeepSpeedStrategy):
         check_deepspeed_module(type(mlp_module).__name__, mlp_module)
     if x.numel() == 0:

@@ -18,6 +18,7 @@ from ..core.compiled import module_key
 from ..core.logs import warn_once
 from ..forms.kind import Kind
 from ..distributed.detect import module_path
+from ..distributed.selection import StrategyChoice
 from ..distributed.sequence_parallel import split_of
 from ..loss.heads import OWNER_ATTR, LossOwner, TiledHeadForward, check_causal_lm, patch_owner, unpatch_owner
 from .forwards import tiled_forward_of
@@ -73,7 +74,7 @@ def _follow_new_head(lm: nn.Module) -> None:
         owner.on_new_head = None
         return
     moved = replace(state, spec=replace(state.spec, slots=head_slots(new)), saved_forward=new.__dict__.get("forward"),
-                    path=[*state.path[:-1], weakref.ref(new)], _auto={})
+                    path=[*state.path[:-1], weakref.ref(new)], _choice=StrategyChoice())
     _restore(old)
     owner.head = new
     new.__dict__[STATE_ATTR] = moved

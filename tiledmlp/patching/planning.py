@@ -35,7 +35,7 @@ from torch import nn
 from ..core.logs import warn_once
 from ..distributed.deepspeed import check_deepspeed_module
 from ..distributed.detect import Wrapping, fsdp2_units_below, module_path
-from ..distributed.selection import owning_units, strategy_for, validate_forced
+from ..distributed.selection import owning_units, strategy_for, validate_forced, wrapping_of
 from ..distributed.strategies import Strategy
 from ..forms.base import Slot
 from ..forms.kind import Kind
@@ -45,7 +45,7 @@ from ..loss.heads import HeadSpec, LossOptions, LossOwner, check_causal_lm, find
 from ..recognize.candidates import Recognized, hidden_sizes, linear_like
 from ..recognize.modules import recognize
 from .call_spec import TiledCallSpec
-from .state import STATE_ATTR, PlanOptions, TilingState, TracedCall, original_forward, parallelism_of, saved_forward
+from .state import STATE_ATTR, PlanOptions, TilingState, TracedCall, original_forward, saved_forward
 
 __all__ = ["plan", "plan_added", "replan"]
 
@@ -60,12 +60,13 @@ def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], s
     be checked again at the first call under a wrapper)`` of a tiled module (``rec``: how it was recognized, for its
     tensor-parallel plan; None for an LM head)."""
     path = module_path(model, module)
-    wrapping, tp = parallelism_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
+    wrapping, tp = wrapping_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
     if wrapping is Wrapping.DEEPSPEED:
         check_deepspeed_module(label, module)
     units = owning_units(path, wrapping)
     if strategy == "auto":
-        # Unwrapped (TP or not): detected again at each call, so wrapping the model later still counts.
+        # Unwrapped (TP or not): decided at the first call and again whenever the wrapping may have changed
+        # (distributed/selection.py, StrategyChoice), so wrapping the model later still counts.
         forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units, tp)
     else:
         forced = validate_forced(strategy, wrapping, label, units, tp)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -31,12 +31,9 @@ from torch.profiler import record_function
 from ..core.compiled import STATE_ATTR, OperatorImpl
 from ..core.function import backward_shards, forward_shards
 from ..core.sharding import ShardPolicy
-from ..distributed.deepspeed import is_zero_managed
-from ..distributed.detect import Wrapping, detect_wrapping
-from ..distributed.selection import owning_units, strategy_for, validate_forced
+from ..distributed.detect import Wrapping
+from ..distributed.selection import StrategyChoice, owning_units, validate_forced, wrapping_of
 from ..distributed.strategies import Strategy
-from ..distributed.tensor_parallel import TPPlan, tp_plan
-from ..forms.base import Slot
 from ..forms.kind import Kind
 from .call_spec import TiledCallSpec
 
@@ -94,7 +91,7 @@ class TilingState(OperatorImpl):
     # a strategy the user forced while the module was unwrapped: checked against the wrapping at the first call that
     # finds one (as a strategy forced on a wrapped module is checked when tiling is enabled)
     recheck: bool = False
-    _auto: dict = field(default_factory=dict)  # (Wrapping, TPPlan) → Strategy, for strategy="auto"
+    _choice: StrategyChoice = field(default_factory=StrategyChoice)  # strategy="auto": the last decision
 
     def changes(self, module: nn.Module) -> str:
         """What was replaced, added or removed below ``module`` since it was planned ("" if nothing): an identity
@@ -139,22 +136,20 @@ class TilingState(OperatorImpl):
     def _check_forced(self, path: list[nn.Module]) -> None:
         """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
         not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
-        wrapping, tp = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
-                                      self.reason, head=self.kind == Kind.LOSS)
+        wrapping, tp = wrapping_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
+                                   self.reason, head=self.kind == Kind.LOSS)
         if wrapping is not Wrapping.NONE:
             self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
             self.recheck = False
 
     def detected(self, path: list[nn.Module]) -> Strategy:
-        """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now."""
-        key = parallelism_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name, self.reason,
-                             head=self.kind == Kind.LOSS)
-        if key not in self._auto:
-            self._auto[key] = strategy_for(key[0], owning_units(path, key[0]), key[1])
-        return self._auto[key]
+        """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now: decided
+        once per wrapping (``distributed.selection``, design note "decided once, checked cheaply")."""
+        return self._choice.choose(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
+                                   self.reason, head=self.kind == Kind.LOSS)
 
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
-        return {**self.__dict__, "path": [], "_auto": {}}
+        return {**self.__dict__, "path": [], "_choice": StrategyChoice()}
 
     # The compiled call's operators (``core/compiled.py``), as their contract OperatorImpl says: the eager call, cut
     # at the autograd node, on the tensors the compiled graph passes.
@@ -209,19 +204,6 @@ class TracedCall:
     # The generic form: the input widths the module maps back to themselves (its output is sized like its
     # input, checked when it runs); empty for the fast forms.
     widths: tuple[int, ...] = ()
-
-
-def parallelism_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[Any], label: str,
-                   reason: str = "", head: bool = False) -> tuple[Wrapping, Optional[TPPlan]]:
-    """The data-parallel wrapping of ``path[-1]`` and its tensor-parallel plan (None: not TP); raises
-    ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``; ``head``: a tiled LM
-    head, which must not be tensor parallel)."""
-    slots = list(slots)
-    params = [s.get() for s in slots]
-    wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params),
-                               zero_params=any(is_zero_managed(p) for p in params))
-    return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
-                             reason=reason, head=head)
 
 
 def original_forward(module: nn.Module):
