@@ -26,7 +26,7 @@ the root), as the longest runs need: the loss's gradient is then scaled for FSDP
 default) and the whole sequence's gradients are the units' full tensors. (The ALST stack, whose loss calls the
 model's parts directly, runs under DeepSpeed's ZeRO-3 in its recipes, not here.)
 
-Each variant's head and first-MLP gradients, summed over the ranks (the whole sequence's), are compared with the
+Each variant's head, first-MLP and first attention block's gradients, summed over the ranks (the whole sequence's), are compared with the
 untiled run's (``grad_rel``, the largest relative difference; where the untiled run is not in ``--variants``, the
 first variant's): the ALST stack's head gradient comes out multiplied
 by the rank's valid-label count (its loss computes the parameters' gradients in forward with an incoming gradient
@@ -204,7 +204,7 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
         dist.all_reduce(value, group=group)
     compared = [(n, p.grad) for n, p in model.named_parameters()
-                if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n)]
+                if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n or ".layers.0.self_attn" in n)]
     grads = {n: (g.full_tensor() if sharded else g).detach().float().clone() for n, g in compared}
     if not sharded:  # the whole sequence's gradient: the ranks' shares summed (FSDP2 averaged the scaled ones)
         for g in grads.values():

@@ -91,6 +91,9 @@ def test_a_sequence_split_inside_each_node_trains_like_one_process(suite, case, 
     over 2 ranks: at 4 processes 2 "nodes" x 2, the replicas training different micro-batches; tiled as untiled,
     both as one process on the whole sequences, and describe() names the composed strategy."""
     for m in suite.metrics(case):
+        if len(suite.metrics(case)) != 4:  # 2 x 2 needs 4 ranks; at 2 the other cases split over both
+            assert m == {"world": len(suite.metrics(case))}, m
+            continue
         assert m["untiled_rel"] <= TOL and m["tiled_rel"] <= TOL and m["tiled_vs_untiled"] <= TOL, m
         assert m["strategies"] == [strategy], m
 
