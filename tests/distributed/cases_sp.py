@@ -157,7 +157,6 @@ def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> 
                                                                                       dict]:
     """The split run under a DeepSpeed ZeRO engine with ``sequence_parallel_size`` = the world (no clipping)."""
     import deepspeed
-    from deepspeed.runtime.zero import GatheredParameters
 
     model = llama(env.device)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICRO, "gradient_clipping": 0.0,
@@ -173,8 +172,7 @@ def train_with_engine(env: Env, mpu: Any, stage: int, how: str, tiled: bool) -> 
             engine.backward(_local_loss(engine, env, group, ids, labels, how))
             engine.step()
     strategies = tiledmlp.tiled_modules(engine)
-    with GatheredParameters(list(engine.module.parameters())):
-        params = _params(engine.module)
+    params = _gathered_params(engine.module)
     engine.destroy()
     return params, strategies, {}
 

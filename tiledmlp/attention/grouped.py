@@ -68,17 +68,25 @@ def kept_bytes_per_token(q_heads: int, head_dim: int, itemsize: int) -> int:
     return q_heads * (head_dim * itemsize + 4)
 
 
+def _most_that_fit(count: int, scratch_per_token: Callable[[int], int], tokens: int,
+                   scratch_mib: Optional[float]) -> int:
+    """The largest divisor ``n`` of ``count`` whose ``scratch_per_token(n) x tokens`` fits ``scratch_mib`` (default
+    ``DEFAULT_SCRATCH_MIB``); one when none fits."""
+    budget = (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
+    for n in sorted((d for d in range(1, count + 1) if count % d == 0), reverse=True):
+        if scratch_per_token(n) * tokens <= budget:
+            return n
+    return 1
+
+
 def kv_heads_per_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int,
                       scratch_mib: Optional[float] = None) -> int:
     """KV heads per backward call: the most (fewest calls) that divide ``kv_heads`` and whose scratch
     (:func:`attention_scratch_per_token` x ``tokens``) fits ``scratch_mib`` (default ``DEFAULT_SCRATCH_MIB``);
     one when none fits."""
-    budget = (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
     groups = q_heads // kv_heads
-    for per_call in sorted((d for d in range(1, kv_heads + 1) if kv_heads % d == 0), reverse=True):
-        if attention_scratch_per_token(per_call * groups, head_dim, groups > 1, itemsize) * tokens <= budget:
-            return per_call
-    return 1
+    return _most_that_fit(kv_heads, lambda n: attention_scratch_per_token(n * groups, head_dim, groups > 1, itemsize),
+                          tokens, scratch_mib)
 
 
 def fits_one_call(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int,
@@ -96,11 +104,8 @@ def query_heads_per_call(tokens: int, groups: int, head_dim: int, itemsize: int,
     (:func:`attention_scratch_per_token` x ``tokens``) fits ``scratch_mib``; one when none fits. For a KV head
     whose query heads' scratch alone outgrows the budget (``tiledmlp.attention.ulysses``: every token of the
     sequence on one rank)."""
-    budget = (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
-    for per_call in sorted((d for d in range(1, groups + 1) if groups % d == 0), reverse=True):
-        if attention_scratch_per_token(per_call, head_dim, per_call > 1, itemsize) * tokens <= budget:
-            return per_call
-    return 1
+    return _most_that_fit(groups, lambda n: attention_scratch_per_token(n, head_dim, n > 1, itemsize), tokens,
+                          scratch_mib)
 
 
 #: SDPA's fused kernels whose forward and backward this module calls (``SDPBackend`` names)

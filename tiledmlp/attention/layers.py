@@ -50,9 +50,10 @@ from torch.overrides import TorchFunctionMode
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION, current_region
 from .norm_outputs import LINEAR, linear_of_norm_output, norm_outputs_remembered
-from .grouped import (KERNELS, SDPA_REFUSES, call_key, fits_one_call, grouped_attention, kept_for, kv_heads_per_call,
-                      query_heads_per_call, sdpa_kernel_name, why_not_grouped)
-from .ulysses import in_block, install_ulysses, slot_kernel, ulysses_attention, ulysses_call_key, ulysses_why_not
+from .grouped import (KERNELS, SDPA_REFUSES, call_key, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name,
+                      why_not_grouped)
+from .ulysses import (in_block, install_ulysses, slot_kernel, slots, ulysses_attention, ulysses_call_key,
+                      ulysses_why_not)
 
 __all__ = ["GroupedAttentionMode", "layer_stack", "attention_scopes", "install_attention",
            "uninstall_attention", "attention_layers", "reduce_layer_method"]
@@ -148,11 +149,10 @@ class GroupedAttentionMode(TorchFunctionMode):
         group, world = ulysses.process_group, ulysses.world_size
         heads, kv_heads = query.shape[1] // world, key.shape[1] // world
         tokens, itemsize, dim = query.shape[2] * world, query.element_size(), query.shape[-1]
-        if fits_one_call(tokens, heads, kv_heads, dim, itemsize, self.scratch_mib):
+        cut = slots(tokens, heads, kv_heads, dim, itemsize, self.scratch_mib)
+        if cut is None:
             return run()  # short: Ulysses' own exchanges, and SDPA's call whole (this mode counts it)
-        per_call = kv_heads_per_call(tokens, heads, kv_heads, dim, itemsize, self.scratch_mib)
-        q_per_call = (query_heads_per_call(tokens, heads // kv_heads, dim, itemsize, self.scratch_mib)
-                      if per_call == 1 else None)
+        per_call, q_per_call = cut
         scale = kwargs.get("scaling")
         kernel = slot_kernel(query, key, heads // kv_heads * per_call, per_call, scale)
         if kernel not in KERNELS:

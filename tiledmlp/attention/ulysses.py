@@ -64,9 +64,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from .grouped import KeptForward, call_key, kernel_backward, kernel_forward, sdpa_kernel_name, why_not_grouped
+from .grouped import (KeptForward, call_key, fits_one_call, kernel_backward, kernel_forward, kv_heads_per_call,
+                      query_heads_per_call, sdpa_kernel_name, why_not_grouped)
 
-__all__ = ["ulysses_attention", "ulysses_call_key", "ulysses_why_not", "slot_kernel", "UlyssesForward",
+__all__ = ["ulysses_attention", "ulysses_call_key", "ulysses_why_not", "slots", "slot_kernel", "UlyssesForward",
            "install_ulysses", "in_block"]
 
 
@@ -233,6 +234,21 @@ def ulysses_why_not(ulysses: Any, module: nn.Module, q: Any, k: Any, v: Any, kwa
     if not (getattr(module, "is_causal", True) if causal is None else causal):
         return "non-causal attention"
     return why_not_grouped(q, k, v, None, 0.0, True, True)
+
+
+def slots(tokens: int, heads: int, kv_heads: int, head_dim: int, itemsize: int,
+          scratch_mib: Optional[float] = None) -> Optional[tuple[int, int]]:
+    """How :func:`ulysses_attention` cuts a rank's ``heads`` query and ``kv_heads`` KV heads over the sequence's
+    ``tokens``: ``(KV heads per slot, query heads per backward call)``, or None where one call for all of them fits
+    the scratch budget (a sequence short enough for Ulysses' own exchanges). What the attention blocks' mode runs
+    and the memory plan counts (``tiledmlp.plan.memory``)."""
+    if fits_one_call(tokens, heads, kv_heads, head_dim, itemsize, scratch_mib):
+        return None
+    per_call = kv_heads_per_call(tokens, heads, kv_heads, head_dim, itemsize, scratch_mib)
+    groups = heads // kv_heads
+    q_per_call = (query_heads_per_call(tokens, groups, head_dim, itemsize, scratch_mib) if per_call == 1
+                  else per_call * groups)
+    return per_call, q_per_call
 
 
 def slot_kernel(query: torch.Tensor, key: torch.Tensor, q_heads: int, kv_heads: int, scale: Optional[float]) -> str:

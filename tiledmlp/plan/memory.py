@@ -57,8 +57,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..attention.grouped import (attention_scratch_per_token, fits_one_call, kept_bytes_per_token, kv_heads_per_call,
-                                 query_heads_per_call)
+from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
+from ..attention.ulysses import slots
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 from ..offload import host
 from .shapes import ModelShape
@@ -125,11 +125,11 @@ def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) ->
     world = options.ulysses
     whole, heads, kv_heads = tokens * world, shape.heads // world, shape.kv_heads // world
     d, a, scratch = shape.head_dim, shape.act_itemsize, options.scratch_mib
-    if world < 2 or not kv_heads or fits_one_call(whole, heads, kv_heads, d, a, scratch):
+    cut = slots(whole, heads, kv_heads, d, a, scratch) if world > 1 and kv_heads else None
+    if cut is None:
         return None
-    per_call = kv_heads_per_call(whole, heads, kv_heads, d, a, scratch)
+    per_call, q_heads = cut
     groups = heads // kv_heads
-    q_heads = query_heads_per_call(whole, groups, d, a, scratch) if per_call == 1 else per_call * groups
     split = q_heads < per_call * groups
     kernel = attention_scratch_per_token(q_heads, d, q_heads > per_call, a) + (
         0 if q_heads > per_call else 2 * per_call * d * a)  # dk and dv of the call, where not expanded

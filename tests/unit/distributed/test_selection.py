@@ -15,18 +15,18 @@ from tiledmlp.distributed.strategies import PlainStrategy
 from unit_helpers import build
 
 
-def counting_detection(monkeypatch) -> list[int]:
+def counted_mlp(monkeypatch) -> tuple[nn.Module, nn.Module, torch.Tensor, list[int]]:
+    """A tiled Llama, its first MLP, an input for it, and the wrapping reads (``detect_wrapping`` calls) made from
+    now on."""
+    model = tiledmlp.enable_tiling(build("llama"), loss=False, num_shards=3)
     calls: list[int] = []
     real = selection.detect_wrapping
     monkeypatch.setattr(selection, "detect_wrapping", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    return model, model.model.layers[0].mlp, torch.randn(1, 9, model.config.hidden_size), calls
 
 
 def test_the_wrapping_is_read_once_then_again_when_a_parameter_is_replaced(monkeypatch):
-    model = tiledmlp.enable_tiling(build("llama"), loss=False, num_shards=3)
-    mlp = model.model.layers[0].mlp
-    x = torch.randn(1, 9, model.config.hidden_size)
-    calls = counting_detection(monkeypatch)
+    model, mlp, x, calls = counted_mlp(monkeypatch)
     mlp(x)
     mlp(x)
     assert len(calls) == 0  # decided when it was planned (enable_tiling names each module's strategy)
@@ -42,10 +42,7 @@ def test_the_wrapping_is_read_once_then_again_when_a_parameter_is_replaced(monke
 
 def test_ddp_running_is_part_of_the_decision(monkeypatch):
     """DDP is seen from torch's global flag set while its forward runs: a flag that changes decides again."""
-    model = tiledmlp.enable_tiling(build("llama"), loss=False, num_shards=3)
-    mlp = model.model.layers[0].mlp
-    x = torch.randn(1, 9, model.config.hidden_size)
-    calls = counting_detection(monkeypatch)
+    _, mlp, x, calls = counted_mlp(monkeypatch)
     mlp(x)
     monkeypatch.setattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", mlp)
     mlp(x)
