@@ -121,7 +121,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         profiler = cProfile.Profile() if args.profile and len(profiles) < 2 else None
         begin = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            loss_of(model, args.variant, ids).backward()
+            loss_of(model, args.variant, {"input_ids": ids, "labels": ids}).backward()
             sync(device)
         steps.append((time.perf_counter() - begin, *clock.read()))
         if profiler is not None:

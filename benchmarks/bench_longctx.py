@@ -4,8 +4,12 @@ length: peak memory and tokens/s. How long a sequence fits on one GPU.
 Model: transformers' ``LlamaForCausalLM`` built in code, ``--model 1b`` (default: hidden 2048, intermediate 8192,
 16 layers, 32/8 heads, vocabulary 128256, tied embeddings as Llama-3.2-1B) or ``--model 8b`` (hidden 4096,
 intermediate 14336, 32 layers, 32/8 heads, vocabulary 128256, untied, as Llama-3.1-8B); random weights, bf16,
-sdpa attention, non-reentrant activation checkpointing per decoder layer, one sequence of T tokens, labels =
-inputs.
+sdpa attention (``--attn``: another), non-reentrant activation checkpointing per decoder layer, one sequence of T
+tokens, labels = inputs. ``--packed``: the T tokens are documents of mixed lengths packed into the one row, the way
+TRL's ``packing=True, padding_free=True`` hands them to the model: ``position_ids`` restart at each document, and
+each document's first label is ``-100`` (no prediction across a boundary). Use it with ``--attn flex_attention``, whose
+block mask keeps each document to itself (transformers reads the documents from ``position_ids``); sdpa would need
+a dense T x T mask.
 
 Variants (the same model object, re-configured between them):
 
@@ -36,6 +40,7 @@ one step, timed (a 512K-token step takes minutes); ``--warmup-steps`` untimed st
     python3 benchmarks/bench_longctx.py                                   # 16K..128K, every variant
     python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432  # does 768K fit?
     python3 benchmarks/bench_longctx.py --variants loss,loss+offload --seq-lens 1048576 --layers 4
+    python3 benchmarks/bench_longctx.py --model 8b --layers 4 --attn flex_attention --packed --seq-lens 131072
     python3 benchmarks/bench_longctx.py --smoke                           # tiny model on a CPU
 """
 
@@ -68,7 +73,7 @@ from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_vers
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
             "loss+norms+auto+attn", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
-COLUMNS = ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
+COLUMNS = ("variant", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
            "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
@@ -78,13 +83,14 @@ FULL = MODELS["1b"]
 SMOKE = dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256, tied=True)
 
 
-def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dtype: torch.dtype,
+                attn: str = "sdpa") -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=size["hidden"], intermediate_size=size["intermediate"],
                          num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
                          num_key_value_heads=size["kv_heads"], vocab_size=size["vocab"], tie_word_embeddings=size["tied"],
-                         max_position_embeddings=max_tokens, attn_implementation="sdpa")
+                         max_position_embeddings=max_tokens, attn_implementation=attn)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
@@ -107,14 +113,41 @@ def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None,
                                attention="attn" in parts, offload=offload, **budgets)
 
 
-def loss_of(model: nn.Module, variant: str, ids: torch.Tensor) -> torch.Tensor:
+def document_lengths(tokens: int, seed: int, shortest: int = 256, longest: int = 32768) -> list[int]:
+    """Mixed document lengths that fill ``tokens``: log-uniform between ``shortest`` and ``longest`` (what a long-context
+    fine-tuning mix looks like: many short documents, a few long ones), the last one cut to fit."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        u = float(torch.rand((), generator=gen))
+        lengths.append(int(shortest * (longest / shortest) ** u))
+    lengths[-1] -= sum(lengths) - tokens
+    return [n for n in lengths if n > 0]
+
+
+def batch_of(vocab: int, tokens: int, packed: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """One row of ``tokens`` random ids; packed: ``position_ids`` restarting per document and each document's first
+    label ignored (-100), as a padding-free collator builds them."""
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    ids = torch.randint(vocab, (1, tokens), generator=gen, device=device)
+    if not packed:
+        return {"input_ids": ids, "labels": ids}
+    longest = min(32768, max(tokens // 4, 2))  # a smoke run's short rows hold several documents too
+    lengths = document_lengths(tokens, seed=tokens, shortest=max(1, min(256, longest // 16)), longest=longest)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    labels = ids.masked_fill(position_ids == 0, -100)
+    return {"input_ids": ids, "labels": labels, "position_ids": position_ids}
+
+
+def loss_of(model: nn.Module, variant: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if variant not in LIGER:
-        return model(input_ids=ids, labels=ids).loss
+        return model(**batch).loss
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    hidden = model.model(input_ids=ids).last_hidden_state
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.model(**inputs).last_hidden_state
     shifted = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-    return LigerFusedLinearCrossEntropyLoss()(model.lm_head.weight, shifted, ids[:, 1:].reshape(-1))
+    return LigerFusedLinearCrossEntropyLoss()(model.lm_head.weight, shifted, batch["labels"][:, 1:].reshape(-1))
 
 
 def sync(device: torch.device) -> None:
@@ -149,8 +182,8 @@ def free(model: nn.Module, device: torch.device) -> None:
 def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch.device) -> dict[str, Any]:
     gpu_mib, host_mib = getattr(args, "gpu_mib", None), getattr(args, "host_mib", None)
     configure(model, variant, gpu_mib, host_mib)
-    gen = torch.Generator(device=device).manual_seed(tokens)
-    ids = torch.randint(model.config.vocab_size, (1, tokens), generator=gen, device=device)
+    packed = getattr(args, "packed", False)
+    batch = batch_of(model.config.vocab_size, tokens, packed, device)
     steps = args.steps if tokens <= args.multi_step_max else 1
     free(model, device)
     reset_host_peak()
@@ -164,7 +197,7 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
         model.zero_grad(set_to_none=True)
         sync(device)
         begin = time.perf_counter()
-        value = loss_of(model, variant, ids)
+        value = loss_of(model, variant, batch)
         value.backward()
         sync(device)
         if i >= warmup:
@@ -174,7 +207,8 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     step_s = statistics.median(times)
     offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (warmup + steps)
-    return {"peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
+    documents = int((batch["position_ids"] == 0).sum()) if packed else 1
+    return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
             "host_gib": offloaded / 2**30, "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib,
             **predicted(model, variant, tokens)}
 
@@ -226,6 +260,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the device budget of the auto variant (default: what the process may use)")
     parser.add_argument("--host-mib", type=float, default=None,
                         help="the host budget of the auto variant (default: what the process may use)")
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"),
+                        help="the attention implementation (default sdpa)")
+    parser.add_argument("--packed", action="store_true",
+                        help="documents of mixed lengths packed into the row (position_ids restart per document)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
     args = parser.parse_args(argv)
     if args.seq_lens is None:
@@ -245,9 +283,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     size = dict(SMOKE if args.smoke else MODELS[args.model])
     if args.layers:
         size["layers"] = args.layers
-    model = build_model(size, max(args.seq_lens), device, dtype)
+    model = build_model(size, max(args.seq_lens), device, dtype, args.attn)
     shape = MODEL_NAMES[args.model]
-    print(f"{gpu_name(device)}: {shape}-shaped model, {size['layers']} layers, {dtype}, variants {variants}", flush=True)
+    print(f"{gpu_name(device)}: {shape}-shaped model, {size['layers']} layers, {dtype}, {args.attn}"
+          f"{', packed documents' if args.packed else ''}, variants {variants}", flush=True)
     rows = []
     for tokens in args.seq_lens:
         for variant in variants:
@@ -263,12 +302,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = (f"bench_longctx_{gpu_slug(device)}" + ("" if args.model == "1b" else f"_{args.model}")
-            + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else ""))
+            + ("_packed" if args.packed else "") + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else ""))
     write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
-    print_rows(rows, ("variant", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib",
+    print_rows(rows, ("variant", "T", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib",
                       "step_s", "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows

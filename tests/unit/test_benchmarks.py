@@ -72,6 +72,24 @@ def test_bench_first_step_smoke(tmp_path):
         assert row["overhead_s"] == row["first_s"] - row["steady_s"]
 
 
+def test_bench_longctx_packed_smoke(tmp_path):
+    """``--packed``: documents of mixed lengths in one row, ``position_ids`` restarting per document and each
+    document's first label ignored, as TRL's padding-free collator builds them; tiled == untiled on them."""
+    batch = bench_longctx.batch_of(1000, 4096, True, torch.device("cpu"))
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [4096])]
+    assert len(lengths) > 2 and len(set(lengths)) > 1 and sum(lengths) == 4096  # mixed lengths, filling the row
+    assert all(torch.equal(batch["position_ids"][0, a:a + n], torch.arange(n)) for a, n in zip(starts, lengths))
+    assert (batch["labels"] == -100).sum() == len(starts)
+    assert torch.equal(batch["labels"][0, starts], torch.full((len(starts),), -100))
+    rows = bench_longctx.main(["--smoke", "--packed", "--variants", "untiled,loss+norms+offload+attn",
+                               "--out", str(tmp_path)])
+    assert all(int(r["documents"]) > 2 for r in rows)
+    for tokens in {r["T"] for r in rows}:
+        losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), losses
+
+
 def test_bench_longctx_model_shapes():
     """``--model 8b`` is the Llama-3.1-8B shape (untied head), ``1b`` the Llama-3.2-1B one (tied)."""
     assert bench_longctx.MODELS["8b"] == dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,

@@ -38,13 +38,12 @@ def _one_device(device: torch.device) -> torch.device:
     return device
 
 
-def offloader_for(device: torch.device, expected_regions: int = 0) -> HostOffload:
+def offloader_for(device: torch.device) -> HostOffload:
     """The process's offloader for ``device`` (its host buffers are shared by every model on it)."""
     device = _one_device(device)
     offloader = _OFFLOADERS.get(device)
     if offloader is None:
         offloader = _OFFLOADERS[device] = HostOffload(device)
-    offloader.expected_regions = max(offloader.expected_regions, expected_regions)
     return offloader
 
 
@@ -134,6 +133,12 @@ class LayerPlacement:
     def chains(self) -> bool:
         return "recompute" in self.places
 
+    @property
+    def on_host(self) -> int:
+        """Layers of this step whose input goes to the host: what the offloader pins buffers for (a layer kept on
+        the device or recomputed needs none)."""
+        return sum(place == "host" or i in self.moved for i, place in enumerate(self.places))
+
 
 class OffloadingCheckpointFunc:
     """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``, ``CheckpointWrapper``'s
@@ -155,7 +160,7 @@ class OffloadingCheckpointFunc:
         device = _device_of(args)
         if device is None or not torch.is_grad_enabled():
             return self.original(function, *args, **kwargs)
-        offloader = offloader_for(device, self.layers)
+        offloader = offloader_for(device)
         positions = [i for i, a in enumerate(args) if offloader.wants(a)]
         if not positions:
             return self.original(function, *args, **kwargs)
@@ -179,6 +184,7 @@ class OffloadingCheckpointFunc:
         if place == "gpu":
             out, given = self.original(run, *args, **kwargs), args
         elif place == "host":
+            offloader.expect(placement.on_host)
             out, given, region = offloader.run_region(self.original, run, *args, **kwargs)
             present = region.present if region is not None else _nothing
         else:

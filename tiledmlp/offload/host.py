@@ -183,7 +183,7 @@ class HostOffload:
     def __init__(self, device: torch.device, min_bytes: Optional[int] = None, expected_regions: int = 0) -> None:
         self.device = device
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
-        self.expected_regions = expected_regions  # layers per step: the host-memory check, buffers pinned ahead
+        self.expected_regions = expected_regions  # layers offloaded per step: the host-memory check, buffers pinned ahead
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: dict[int, list[Future]] = {}  # buffers being pinned ahead, by size
@@ -197,6 +197,13 @@ class HostOffload:
         self.stats = {"regions": 0, "offloaded_bytes": 0, "restored": 0, "host_buffers": 0, "host_bytes": 0}
 
     # -- host buffers ------------------------------------------------------------------------------
+
+    def expect(self, regions: int) -> None:
+        """This step offloads ``regions`` layer inputs: buffers are pinned ahead, and the host memory checked, for
+        that many. Only the layers placed on the host count: a placement that keeps 5 of 8 layers on the device pins
+        3 buffers, not 8 (measured before: 8B shape, 8 layers at 1M tokens on an H200, 41 GiB of host memory pinned
+        for inputs that stayed on the device)."""
+        self.expected_regions = regions
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes``: from the pool, else the next one pinned ahead, else (on a GPU) the step's

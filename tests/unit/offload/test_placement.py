@@ -45,6 +45,22 @@ def test_every_placement_trains_bit_for_bit_like_checkpointing(places, dropout):
     assert not placement.moved
 
 
+@pytest.mark.parametrize("places", [("gpu", "host", "recompute", "gpu"), ("host",) * LAYERS, ("gpu",) * LAYERS],
+                         ids="-".join)
+def test_host_buffers_are_pinned_and_checked_for_the_host_layers_only(places, monkeypatch):
+    """The offloader pins buffers ahead, and checks host memory, for the layers the placement sends to the host:
+    none for a layer kept on the device or recomputed (on a GPU it pinned one per checkpointed layer before)."""
+    model = tiledmlp.enable_tiling(llama_of(), tile_tokens=16, offload="auto")
+    checkpointing.layer_placement(model).decide = Fixed(places)
+    expected = []
+    offloader = checkpointing.offloader_for(torch.device("cpu"))
+    monkeypatch.setattr(offloader, "_check_host_memory", lambda nbytes: expected.append(offloader.expected_regions))
+    ids = torch.randint(128, (2, 40), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert expected == [places.count("host")] * places.count("host")  # a CPU's buffers are made one at a time
+    assert offloader.stats["host_buffers"] == places.count("host")
+
+
 def test_a_recomputed_input_is_freed_until_its_backward():
     model = tiledmlp.enable_tiling(llama_of(), tile_tokens=16, offload="auto")
     placement = checkpointing.layer_placement(model)
