@@ -8,6 +8,11 @@ first one has planned and decided what can be decided. Counted:
 * **entered**: per package, how many times control came into it from another one;
 * **up-calls**: calls (not returns) into a higher floor: a lower room asking a higher one.
 
+Counted twice: in full, and **folded** as the drawing draws a loop (an edge walked N times is one arrow, "xN"): where
+the same run of moves, arriving in the same functions, repeats back to back (a form's shards, one per loop turn; one
+read per parameter slot), it is counted once and written ``(a > b) xN``. Moves that pass through the same packages
+but arrive in other functions (a context's entry and its exit) are not a loop and are not folded.
+
     python3 benchmarks/walk_one_call.py            # a tiny Llama's MLP on the CPU, the table printed
 """
 
@@ -45,23 +50,24 @@ def module_of(filename: str) -> str:
         return ""
 
 
-def walk(call: Any) -> tuple[list[str], list[tuple[str, str]]]:
-    """While ``call()`` runs: the packages control is in, in order (consecutive repeats merged), and the
-    ``(caller, callee)`` packages of every call between two packages."""
-    where: list[str] = []
+def walk(call: Any) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """While ``call()`` runs: where control arrives each time it changes package, in order, as ``(package,
+    module:function)``, and the ``(caller, callee)`` packages of every call between two packages."""
+    where: list[tuple[str, str]] = []
     calls: list[tuple[str, str]] = []
 
-    def package(frame: Any) -> str:
-        return module_of(frame.f_code.co_filename).split("/")[0] if frame is not None else ""
+    def module(frame: Any) -> str:
+        return module_of(frame.f_code.co_filename) if frame is not None else ""
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event not in ("call", "return"):
             return
-        here = package(frame) if event == "call" else package(frame.f_back)
-        if event == "call" and here and package(frame.f_back) and package(frame.f_back) != here:
-            calls.append((package(frame.f_back), here))
-        if here and (not where or where[-1] != here):
-            where.append(here)
+        here = frame if event == "call" else frame.f_back  # where control is after the event
+        package, caller = module(here).split("/")[0], module(frame.f_back).split("/")[0]
+        if event == "call" and package and caller and caller != package:
+            calls.append((caller, package))
+        if package and (not where or where[-1][0] != package):
+            where.append((package, f"{module(here)}:{here.f_code.co_name}"))
 
     sys.setprofile(profile)
     try:
@@ -69,6 +75,25 @@ def walk(call: Any) -> tuple[list[str], list[tuple[str, str]]]:
     finally:
         sys.setprofile(None)
     return where, calls
+
+
+def folded(where: list[tuple[str, str]]) -> list[tuple[list[tuple[str, str]], int]]:
+    """``where`` as runs ``(arrivals, times)``: a run of arrivals repeated back to back (the same packages and
+    functions: one loop's turns) is kept once with its count; every other arrival is a run of one, once. Of the
+    repeats starting at one place, the one covering most arrivals wins (the shortest on a tie)."""
+    runs: list[tuple[list[tuple[str, str]], int]] = []
+    i = 0
+    while i < len(where):
+        best_period, best_times = 1, 1
+        for period in range(1, (len(where) - i) // 2 + 1):
+            times = 1
+            while where[i + times * period:i + (times + 1) * period] == where[i:i + period]:
+                times += 1
+            if times > 1 and times * period > best_times * best_period:
+                best_period, best_times = period, times
+        runs.append((where[i:i + best_period], best_times))
+        i += best_period * best_times
+    return runs
 
 
 def summary(where: list[str], calls: list[tuple[str, str]]) -> dict[str, Any]:
@@ -81,6 +106,16 @@ def summary(where: list[str], calls: list[tuple[str, str]]) -> dict[str, Any]:
             "walk": " > ".join(where)}
 
 
+def folded_summary(where: list[tuple[str, str]]) -> dict[str, Any]:
+    """:func:`summary`'s counts with each loop's turns counted once (:func:`folded`), and the walk drawn with them."""
+    runs = folded(where)
+    once = [package for arrivals, _ in runs for package, _ in arrivals]
+    counts = {k: v for k, v in summary(once, []).items() if k not in ("up-calls", "walk")}
+    drawn = [" > ".join(p for p, _ in arrivals) if times == 1 else f"({' > '.join(p for p, _ in arrivals)}) x{times}"
+             for arrivals, times in runs]
+    return {**counts, "walk": " > ".join(drawn)}
+
+
 def main() -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,9 +126,15 @@ def main() -> dict[str, Any]:
     mlp = model.model.layers[0].mlp
     x = torch.randn(1, 16, 32, requires_grad=True)
     mlp(x).sum().backward()  # the first call plans what it can: the walk is of a call after it
-    result = summary(*walk(lambda: mlp(x)))
+    where, calls = walk(lambda: mlp(x))
+    result = summary([package for package, _ in where], calls)
+    result["folded"] = folded_summary(where)
     for key, value in result.items():
-        print(f"{key}: {value}")
+        if key != "folded":
+            print(f"{key}: {value}")
+    print("folded (a loop's turns counted once):")
+    for key, value in result["folded"].items():
+        print(f"  {key}: {value}")
     return result
 
 

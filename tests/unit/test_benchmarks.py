@@ -251,3 +251,6 @@ def test_walk_one_call_follows_a_tiled_call_through_the_packages():
     result = walk_one_call.main()
     assert {"patching", "core", "forms"} <= set(result["entered"]) and result["moves"] > 0
     assert "recognize" not in result["entered"]
+    # folded: the form's two shards are one loop, walked twice
+    assert "(forms > kernels > forms > core) x2" in result["folded"]["walk"]
+    assert result["folded"]["moves"] < result["moves"]

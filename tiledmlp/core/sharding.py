@@ -210,7 +210,7 @@ class ShardPolicy:
     def one_shard(self, tokens: int) -> bool:
         """Whether a fast form's call over ``tokens`` tokens is cut into a single shard (decode, short prompts),
         cheaply: a fixed cut that covers them, or no more than the smallest automatic shard (``_MIN_TILE``
-        tokens). The generic form's calls ask their shard size itself (``TiledCallSpec.generic_rows``)."""
+        tokens). The generic form's calls ask their shard size itself (``forms.spec.FormSpec.generic_rows``)."""
         fixed = self._fixed_rows(max(tokens, 1))
         if fixed is not None:
             return fixed >= tokens
@@ -256,6 +256,12 @@ class ShardPolicy:
             while chunks < inter and rows * mlp_scratch_per_token(inter, itemsize, chunks, gated) > budget:
                 chunks += 1
         return rows, chunks
+
+    def mlp_cut(self, tokens: int, inter: int, itemsize: int, gated: bool = True) -> tuple[int, int, int]:
+        """``(tokens per backward shard, intermediate blocks, tokens per forward shard)`` of one fast-form call:
+        :meth:`mlp_tile`, then :meth:`mlp_forward_rows` of its shards, asked in one step."""
+        rows, chunks = self.mlp_tile(tokens, inter, itemsize, gated)
+        return rows, chunks, self.mlp_forward_rows(inter, itemsize, rows, gated)
 
     def moe_rows(self, tokens: int, bytes_per_token: int) -> int:
         """Tokens per shard of the MoE form (``moe_scratch_per_token``): a fixed cut, or the largest equal

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..forms.base import Slot
+from ..forms.base import Slot, read_slots
 from .deepspeed import is_zero3_param, is_zero_managed
 from .detect import Wrapping, detect_wrapping
 from .strategies import (DDPStrategy, DeepSpeedStrategy, FSDP1Strategy, FSDP2Strategy, NoSyncStrategy, PlainStrategy,
@@ -91,7 +91,7 @@ def wrapping_of(path: list[nn.Module], slots: Iterable[Slot], layout: Optional[A
     ValueError for a TP plan tiling cannot keep exact (``tensor_parallel.tp_plan``; ``head``: a tiled LM
     head, which must not be tensor parallel)."""
     slots = list(slots)
-    params = [s.get() for s in slots]
+    params = read_slots(slots)
     wrapping = detect_wrapping(path, flat_param_views=any(not isinstance(p, nn.Parameter) for p in params),
                                zero_params=any(is_zero_managed(p) for p in params))
     return wrapping, tp_plan(label, path[-1], layout, slots, params, fsdp2_owned=wrapping is Wrapping.FSDP2,
@@ -117,7 +117,7 @@ class StrategyChoice:
 
     def choose(self, path: list[nn.Module], slots: Sequence[Slot], layout: Optional[Any], label: str, reason: str = "",
                head: bool = False) -> Strategy:
-        key = self._key(path, [s.get() for s in slots])
+        key = self._key(path, read_slots(slots))
         if key != self.key or self.strategy is None:
             wrapping, tp = wrapping_of(path, slots, layout, label, reason, head)
             self.key, self.strategy = key, strategy_for(wrapping, owning_units(path, wrapping), tp)

@@ -44,12 +44,14 @@ sequence lengths stay in lockstep.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..forms.mlp import MLPLayout
+from ..forms.spec import Reading
 from . import deepspeed as ds
 from .detect import Wrapping, is_dtensor, storage_freed
 from .hooks import silenced_hooks
@@ -80,6 +82,23 @@ class Strategy:
     def forward_context(self, module: nn.Module) -> Iterator[None]:
         """Wraps reading the parameters and running the forward shards."""
         yield
+
+    @contextlib.contextmanager
+    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor,
+               read: Callable[[], Reading]) -> Iterator[Localized]:
+        """The strategy's part of one tiled call of ``module``, in one step: its forward context around the block (an
+        FSDP2 unshard, a ZeRO-3 gather), and inside it the parameter tensors as the wrapper holds them then
+        (``read``: the form's, ``tiledmlp.forms.spec.FormSpec.read``), checked and made local (:meth:`local_call`)."""
+        with self.forward_context(module):
+            yield self.local_call(module_name, x, read(), module)
+
+    def local_call(self, module_name: str, x: torch.Tensor, reading: Reading,
+                   module: Optional[nn.Module] = None) -> Localized:
+        """``reading``'s tensors checked (:meth:`check_params`), on this rank (:meth:`localize`) and given their
+        backward context (:meth:`backward_context`): what the call computes with, decided in one step."""
+        self.check_params(module_name, reading.tensors)
+        local = self.localize(module_name, x, reading.tensors, reading.layout)
+        return replace(local, index=reading.index, around_backward=self.backward_context(local.params, module))
 
     def check_params(self, module_name: str, params: Sequence[torch.Tensor]) -> None:
         if any(self.dp_sharded(p) for p in params):

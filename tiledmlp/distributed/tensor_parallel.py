@@ -34,9 +34,10 @@ other way makes tiling refuse a tensor-parallel MLP instead of guessing its layo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -201,13 +202,16 @@ def tp_plan(name: str, module: nn.Module, layout: Optional[MLPLayout], slots: Se
 
 @dataclass
 class Localized:
-    """A tiled call's tensors on this rank: what the tiled function computes with, and how its output
-    goes back (``finish``)."""
+    """A tiled call's tensors on this rank: what the tiled function computes with (``index``: per parameter slot, its
+    tensor among ``params``), how its output goes back (``finish``) and the strategy's context for its recompute
+    (``around_backward``, ``Strategy.backward_context``)."""
 
     x: torch.Tensor
     params: list[torch.Tensor]
     layout: Optional[MLPLayout]
     finish: Callable[[torch.Tensor], Any] = lambda y: y
+    index: tuple[int, ...] = ()
+    around_backward: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 def localize(plan: TPPlan, name: str, x: torch.Tensor, params: Sequence[torch.Tensor],

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core.accumulate import GradAccumulator
 
-__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "swapped"]
+__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "read_slots", "swapped"]
 
 
 def is_quantized(t: Any) -> bool:
@@ -53,6 +53,12 @@ class Slot:
         if name in owner._parameters:
             return dict.__getitem__(owner._parameters, name)
         return getattr(owner, name)
+
+
+def read_slots(slots: Sequence[Slot]) -> list[torch.Tensor]:
+    """The tensors ``slots`` hold now, in one step (a caller in another package enters this one once, not once per
+    slot)."""
+    return [slot.get() for slot in slots]
 
 
 @contextlib.contextmanager

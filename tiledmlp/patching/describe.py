@@ -182,7 +182,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     if state.kind == Kind.PROJ:  # sized by float32 copies of its input, and a 4-bit weight's dequantized copy
         owner = spec.slots[0].owner  # the base layer: a 4-bit weight is packed, a Conv1D's is [in, out]
         hidden = getattr(owner, "in_features", None) or owner.nx
-        rows = spec.generic_rows(tokens, hidden)
+        rows = spec.form.generic_rows(tokens, hidden)
         return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
                         scratch_bytes=rows * norm_scratch_per_token(hidden) + _dequantized_bytes(spec))
     if layout is None:  # generic: scratch depends on the module's forward, but for a normalization layer
@@ -190,7 +190,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
         hidden = params[0].shape[-1] if norm else next((p.shape[-1] for p in params if p.dim() == 2), None)
         if hidden is None:  # 1-D shards
             return TileInfo(**base)
-        rows = spec.generic_rows(tokens, hidden)
+        rows = spec.form.generic_rows(tokens, hidden)
         return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows,
                         scratch_bytes=rows * norm_scratch_per_token(hidden) if norm else None)
     # Sizes from the modules, not the tensors: a wrapper may hold shards (FSDP1 use_orig_params) or views.
@@ -205,8 +205,7 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     itemsize = (_compute_itemsize(spec.quantized[0][1]) if spec.quantized
                 else params[layout.down.weight].element_size())
     dequantized = _dequantized_bytes(spec)
-    rows, chunks = policy.mlp_tile(tokens, inter, itemsize, layout.gated)
-    forward_rows = policy.mlp_forward_rows(inter, itemsize, rows, layout.gated)
+    rows, chunks, forward_rows = policy.mlp_cut(tokens, inter, itemsize, layout.gated)
     scratch = dequantized + max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
                                 forward_rows * (2 if layout.gated else 1) * inter * itemsize)
     return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,

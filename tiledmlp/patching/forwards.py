@@ -69,7 +69,7 @@ def _one_shard_inference(state: TilingState, x: torch.Tensor, fast: bool) -> boo
     if torch.is_grad_enabled():
         return False
     tokens, hidden = x.numel() // x.shape[-1], x.shape[-1]
-    return state.spec.policy.one_shard(tokens) if fast else state.spec.generic_rows(tokens, hidden) >= tokens
+    return state.spec.policy.one_shard(tokens) if fast else state.spec.form.generic_rows(tokens, hidden) >= tokens
 
 
 #: Said when a fast-form module's children carry hooks (the fast form would skip them).

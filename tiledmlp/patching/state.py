@@ -34,6 +34,7 @@ from ..core.sharding import ShardPolicy
 from ..distributed.detect import Wrapping
 from ..distributed.selection import StrategyChoice, owning_units, validate_forced, wrapping_of
 from ..distributed.strategies import Strategy
+from ..forms.base import read_slots
 from ..forms.kind import Kind
 from .call_spec import TiledCallSpec
 
@@ -117,7 +118,7 @@ class TilingState(OperatorImpl):
         """The module's parameter tensors as its slots hold them now (None where a wrapper keeps them
         elsewhere outside forward, e.g. FSDP1 flat parameters)."""
         try:
-            return [slot.get() for slot in self.spec.slots]
+            return read_slots(self.spec.slots)
         except AttributeError:
             return None
 
@@ -156,11 +157,11 @@ class TilingState(OperatorImpl):
 
     def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
-        strategy = self.strategy(module)
-        with record_function("tiledmlp::call"), strategy.forward_context(module):
-            run = self.spec.prepare(strategy, module, original_forward(module), x, params, not generic, token_inputs)
+        strategy, read = self.strategy(module), functools.partial(self.spec.form.given, params, not generic)
+        with record_function("tiledmlp::call"), strategy.opened(module, self.spec.name, x, read) as local:
+            run = self.spec.prepare(local, module, original_forward(module), token_inputs)
             with record_function("tiledmlp::forward"):
-                outs = forward_shards(run.call, run.x, run.params, run.token_inputs)
+                outs = forward_shards(run.call, run.x, local.params, run.token_inputs)
         # A fast form's output has the input's tokens and the width its weight says (a projection's may differ).
         shaped = len(outs) == 1 and outs[0] is not None and (
             outs[0].shape == x.shape if generic else outs[0].shape[:-1] == x.shape[:-1])
@@ -177,17 +178,18 @@ class TilingState(OperatorImpl):
                     token_inputs: list[torch.Tensor], needs: list[bool], generic: bool) -> list[Optional[torch.Tensor]]:
         """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
         gradient at its first position only, as autograd sums the positions)."""
-        run = self.spec.prepare(self.strategy(module), module, original_forward(module), x, params, not generic,
-                                token_inputs)
+        local = self.strategy(module).local_call(self.spec.name, x, self.spec.form.given(params, not generic), module)
+        run = self.spec.prepare(local, module, original_forward(module), token_inputs)
         n = len(token_inputs)
         need_params = needs[1 + n:]
-        unique_needs = [any(need for need, u in zip(need_params, run.index) if u == j) for j in range(len(run.params))]
-        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, run.params, run.token_inputs,
+        unique_needs = [any(need for need, u in zip(need_params, local.index) if u == j)
+                        for j in range(len(local.params))]
+        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, local.params, run.token_inputs,
                                                      [grad.reshape(run.x.shape[0], -1)], needs[0],
                                                      [*needs[1:1 + n], *unique_needs])
-        first = {u: i for i, u in reversed(list(enumerate(run.index)))}
+        first = {u: i for i, u in reversed(list(enumerate(local.index)))}
         param_grads = [unique_grads[u] if need and first[u] == i else None
-                       for i, (u, need) in enumerate(zip(run.index, need_params))]
+                       for i, (u, need) in enumerate(zip(local.index, need_params))]
         return [None if dx is None else dx.view(x.shape),
                 *[None if d is None else d.view(t.shape) for d, t in zip(d_tokens, token_inputs)], *param_grads]
 
