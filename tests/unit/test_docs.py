@@ -79,16 +79,19 @@ def test_the_test_command_runs_the_paths_it_is_given(tmp_path):
 
     said = {}
 
-    def pytest_args(*args: str) -> list[str]:
+    def pytest_args(*args: str) -> list[list[str]]:
         proc = subprocess.run(["bash", "tests/run.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
                               env=dict(os.environ, PYTHON=str(python), TILEDMLP_TEST_AXOLOTL="0"))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         said[args] = proc.stdout
-        return next(line for line in proc.stdout.splitlines() if line.startswith("ARGS ")).split()[1:]
+        return [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("ARGS ")]
 
-    assert pytest_args("tests/unit/test_layout.py", "-x") == ["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                              "tests/unit/test_layout.py", "-x"]
-    assert pytest_args("-k", "lora") == ["-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-k", "lora"]
+    assert pytest_args("tests/unit/test_layout.py", "-x") == [["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                               "tests/unit/test_layout.py", "-x"]]
+    # the whole suite: the unit tests in two worker processes, then the distributed suite alone
+    assert pytest_args("-k", "lora") == [
+        ["-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", "2", "-k", "lora"],
+        ["-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider", "-k", "lora"]]
     # the whole suite (CI's) says the Axolotl end-to-end script is skipped, and why; a path given runs that path only
     assert "[tests] scripts/test_axolotl.sh skipped: it installs Axolotl" in said[("-k", "lora")]
     assert "test_axolotl" not in said[("tests/unit/test_layout.py", "-x")]
