@@ -2,6 +2,7 @@
 # Run the distributed test suite (tests/distributed) and print one line per case.
 #
 #   launch/run_distributed_tests.sh [NPROC] [pytest args...]
+#   launch/run_distributed_tests.sh 2 tests/distributed/test_sp.py -k ulysses   # paths given replace the suite's
 #
 # With GPUs: NPROC processes, one per GPU, NCCL (default: all GPUs). Without: NPROC CPU processes,
 # gloo (default 2). Every case trains the same model untiled and tiled under the same wrapper and
@@ -27,4 +28,13 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, transform
 print(f"devices: {', '.join(gpus) + ' (NCCL)' if gpus else 'CPU only (gloo)'}")
 PY
 
-exec "${PYTHON:-python3}" -m pytest tests/distributed -v -rfE -p no:cacheprovider "$@"
+# Paths given (test files, or file::case) replace the whole suite, in the order given: without this they were added
+# to it, and a GPU call that meant to run five files ran the suite from its first file until its time was up.
+paths=(tests/distributed)
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        paths=()
+        break
+    fi
+done
+exec "${PYTHON:-python3}" -m pytest "${paths[@]}" -v -rfE -p no:cacheprovider "$@"

@@ -95,3 +95,26 @@ def test_the_test_command_runs_the_paths_it_is_given(tmp_path):
     # the whole suite (CI's) says the Axolotl end-to-end script is skipped, and why; a path given runs that path only
     assert "[tests] scripts/test_axolotl.sh skipped: it installs Axolotl" in said[("-k", "lora")]
     assert "test_axolotl" not in said[("tests/unit/test_layout.py", "-x")]
+
+
+def test_the_distributed_suite_runs_the_paths_it_is_given(tmp_path):
+    """``launch/run_distributed_tests.sh NPROC PATH`` runs PATH only (before: PATH was added to the whole suite, so a
+    GPU call meant for a few files ran the suite from its first file); options alone keep the whole suite."""
+    import os
+    import stat
+    import subprocess
+
+    python = tmp_path / "python"
+    python.write_text('#!/usr/bin/env bash\n[[ "$1" == "-m" ]] && echo "ARGS $*"\nexit 0\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+
+    def pytest_args(*args: str) -> list[str]:
+        proc = subprocess.run(["bash", "launch/run_distributed_tests.sh", "2", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, PYTHON=str(python)))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return next(line for line in proc.stdout.splitlines() if line.startswith("ARGS ")).split()[1:]
+
+    assert pytest_args("tests/distributed/test_sp.py", "-k", "ulysses") == [
+        "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "tests/distributed/test_sp.py", "-k", "ulysses"]
+    assert pytest_args("--durations=0") == ["-m", "pytest", "tests/distributed", "-v", "-rfE", "-p", "no:cacheprovider",
+                                            "--durations=0"]
