@@ -10,21 +10,25 @@ its path of modules, their types, or its parameter tensors change, ZeRO marks it
 running (``DistributedDataParallel._active_ddp_module``, the one global a wrapper sets). :class:`StrategyChoice`
 keeps the last decision with that key — a tuple of identities, types and two flags, read per call — and decides
 again (detect, read the TP plan, pick) only when it differs. Cost per call: the slots' reads and one tuple compare.
+A patched module's call takes the choice and the chosen strategy's step (``Strategy.opened``) together
+(:meth:`StrategyChoice.opened`): one step into ``distributed/`` per call, not one to choose and one to open.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..forms.base import Slot, read_slots
+from ..forms.spec import Reading
 from .deepspeed import is_zero3_param, is_zero_managed
 from .detect import Wrapping, detect_wrapping
 from .strategies import (DDPStrategy, DeepSpeedStrategy, FSDP1Strategy, FSDP2Strategy, NoSyncStrategy, PlainStrategy,
                          Strategy, TPStrategy)
-from .tensor_parallel import TPPlan, tp_plan
+from .tensor_parallel import Localized, TPPlan, tp_plan
 
 __all__ = ["STRATEGIES", "STRATEGY_NAMES", "strategy_for", "validate_forced", "owning_units", "wrapping_of",
            "StrategyChoice", "strategy_of_call"]
@@ -122,6 +126,15 @@ class StrategyChoice:
             wrapping, tp = wrapping_of(path, slots, layout, label, reason, head)
             self.key, self.strategy = key, strategy_for(wrapping, owning_units(path, wrapping), tp)
         return self.strategy
+
+    @contextlib.contextmanager
+    def opened(self, path: list[nn.Module], slots: Sequence[Slot], layout: Optional[Any], label: str,
+               module: nn.Module, x: torch.Tensor, read: Callable[[], Reading], reason: str = "",
+               head: bool = False) -> Iterator[Localized]:
+        """:meth:`choose`, and the chosen strategy's part of the call (``Strategy.opened``) around the block: a
+        patched module's whole strategy step, taken once per call (design note)."""
+        with self.choose(path, slots, layout, label, reason, head).opened(module, label, x, read) as local:
+            yield local
 
 
 def strategy_of_call(params: Sequence[torch.Tensor], module: Optional[nn.Module] = None) -> Strategy:

@@ -204,12 +204,15 @@ def tp_plan(name: str, module: nn.Module, layout: Optional[MLPLayout], slots: Se
 class Localized:
     """A tiled call's tensors on this rank: what the tiled function computes with (``index``: per parameter slot, its
     tensor among ``params``), how its output goes back (``finish``) and the strategy's context for its recompute
-    (``around_backward``, ``Strategy.backward_context``)."""
+    (``around_backward``, ``Strategy.backward_context``).
+
+    ``finish`` is None where the output is already the call's (every strategy but tensor parallel's): the caller
+    then returns it as it is, and a call without TP takes no step back into ``distributed/`` after its shards."""
 
     x: torch.Tensor
     params: list[torch.Tensor]
     layout: Optional[MLPLayout]
-    finish: Callable[[torch.Tensor], Any] = lambda y: y
+    finish: Optional[Callable[[torch.Tensor], Any]] = None
     index: tuple[int, ...] = ()
     around_backward: Callable[[], ContextManager] = contextlib.nullcontext
 

@@ -1,11 +1,13 @@
 """One tiled call: the strategy's step, the form's step, the tiled function.
 
 Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call, one step into each
-package: the strategy (``Strategy.opened``): its forward context (may unshard), the parameter tensors read through
-the slots inside it (the form's :meth:`~tiledmlp.forms.spec.FormSpec.read`, so wrappers' current tensors are used),
-checked and made local (tensor parallel: local shards, replicated input) → the form and its cut over them
+package: the strategy (``Strategy.opened``; a patched module's ``auto`` strategy chosen in the same step): its forward
+context (may unshard), the parameter tensors read through the slots inside it (the form's
+:meth:`~tiledmlp.forms.spec.FormSpec.read`, so wrappers' current tensors are used), checked and made local (tensor
+parallel: local shards, replicated input) → the form and its cut over them
 (:meth:`~tiledmlp.forms.spec.FormSpec.tile_call`) → the tiled function, whose outputs already have the input's leading
-dims → the strategy's finish (tensor parallel: the one reduction of the call), and its forward context left.
+dims → the strategy's finish (tensor parallel: the one reduction of the call; none, and no step, without it), and its
+forward context left.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,13 +24,17 @@ from torch.profiler import record_function
 from ..core.form import TileCall
 from ..core.function import run_tiled
 from ..core.sharding import ShardPolicy
-from ..distributed.strategies import Strategy
 from ..distributed.tensor_parallel import Localized
 from ..forms.base import Slot
 from ..forms.quant import QuantizedLinear
-from ..forms.spec import FormSpec, Layout
+from ..forms.spec import FormSpec, Layout, Reading
 
-__all__ = ["PreparedCall", "TiledCallSpec"]
+__all__ = ["Opened", "PreparedCall", "TiledCallSpec"]
+
+#: The strategy's step of one call (``Strategy.opened``'s signature): ``(module, name, x, read)`` to a context whose
+#: value is the call's local tensors. A patched module passes its state's (``TilingState.opened``), which chooses
+#: the strategy in the same step: one trip into ``distributed/`` per call.
+Opened = Callable[[nn.Module, str, torch.Tensor, Callable[[], Reading]], ContextManager[Localized]]
 
 
 def _check_router_logits_not_recorded(name: str) -> None:
@@ -73,15 +79,18 @@ class TiledCallSpec:
         self.form = FormSpec(self.slots, self.policy, self.layout, self.quantized, self.sized_by_copies,
                              self.grad_accum_dtype)
 
-    def __call__(self, strategy: Strategy, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
+    def __call__(self, opened: Opened, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                  x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
         """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form). ``token_inputs``:
-        a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens)."""
+        a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens). ``opened``:
+        the strategy's step (a ``Strategy``'s ``opened``, or a patched module's state's, which also chooses it)."""
         read = functools.partial(self.form.read, fast_allowed)
-        with record_function("tiledmlp::call"), strategy.opened(module, self.name, x, read) as local:
+        with record_function("tiledmlp::call"), opened(module, self.name, x, read) as local:
             run = self.prepare(local, module, forward, token_inputs)
             outs = run_tiled(run.call, run.x, local.params, run.token_inputs)
-            return outs if run.call.form.returned_tuple else local.finish(outs[0])
+            if run.call.form.returned_tuple:
+                return outs
+            return outs[0] if local.finish is None else local.finish(outs[0])
 
     def prepare(self, local: Localized, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                 token_inputs: Sequence[torch.Tensor] = ()) -> "PreparedCall":

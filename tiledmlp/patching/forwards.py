@@ -81,6 +81,14 @@ _ADAPTERS_TAKE_GENERIC = ("%s: its LoRA layers changed since enable_tiling (%s);
                           "which runs peft's own forward. Call enable_tiling again for the fast %s form")
 
 
+def _children_with_hooks(module: nn.Module) -> list[str]:
+    """Names of ``module``'s submodules (itself excluded) with any hook, counted plainly: read here, without a step
+    into ``distributed/``. The eager call asks ``hooked_children``, which discounts tensor parallel's and ZeRO-3's
+    hooks, only where this finds some (no hook at all: nothing to discount); traced code counts only this way."""
+    return [name for name, m in module.named_modules()
+            if name and any(len(getattr(m, table, None) or ()) for table in HOOK_TABLES)]
+
+
 def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
@@ -182,8 +190,7 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     # Submodules with hooks (the generic form calls them, hooks and all). Counted plainly: the hooks that
     # hooked_children discounts (tensor parallel's, ZeRO-3's) come with DTensor or ZeRO-3 parameters, which took
     # the eager call above; and reading hooks' closures, as it does, is not traceable.
-    hooked = [] if generic else [name for name, m in module.named_modules()
-                                 if name and any(len(getattr(m, table)) for table in HOOK_TABLES)]
+    hooked = [] if generic else _children_with_hooks(module)
     if len(hooked) > 0 and state.kind == Kind.MOE:
         return _eager_call(module, "hooks are registered on its children (the experts then run untiled)", args,
                            kwargs)
@@ -246,7 +253,8 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         warn_once(("extra arguments", state.spec.name), "%s: called with extra arguments (%s); the fast %s form "
                   "computes forward(x) only, so these calls take the slower generic form", state.spec.name,
                   ", ".join(map(str, kwargs)) or "positional", state.kind)
-    hooked = hooked_children(module) if fast and state.spec.layout is not None else []
+    hooked = (hooked_children(module) if fast and state.spec.layout is not None and _children_with_hooks(module)
+              else [])
     if hooked:  # registered after enable_tiling: the fast form would skip them
         fast = False
         state.fallback = f"hooks on {', '.join(hooked)}: calls take the generic form"
@@ -267,7 +275,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
                   "bitsandbytes' own forward per shard", state.spec.name, problem)
     if fast:
         state.fallback = ""  # describe() says what the last call did
-    out = state.spec(state.strategy(module), module, shard_forward, x, fast_allowed=fast)
+    out = state.spec(state.opened, module, shard_forward, x, fast_allowed=fast)
     if state.remembers_output and not extra:
         remember_norm_output(out, x, functools.partial(_norm_again, module))
     return out
@@ -294,9 +302,9 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
         return original(*args, **kwargs)
     if state.kind != Kind.MOE:  # planned again as another form: its own call
         return _tiled_forward(module, *args, **kwargs)
-    hooked = hooked_children(module)
+    hooked = hooked_children(module) if _children_with_hooks(module) else []
     if hooked:
         warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "
                   "call the children, so these calls run the experts untiled", state.spec.name, ", ".join(hooked))
         return original(*args, **kwargs)
-    return state.spec(state.strategy(module), module, None, x, token_inputs=(index, weights))
+    return state.spec(state.opened, module, None, x, token_inputs=(index, weights))

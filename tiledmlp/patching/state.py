@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -34,8 +34,10 @@ from ..core.sharding import ShardPolicy
 from ..distributed.detect import Wrapping
 from ..distributed.selection import StrategyChoice, owning_units, validate_forced, wrapping_of
 from ..distributed.strategies import Strategy
+from ..distributed.tensor_parallel import Localized
 from ..forms.base import read_slots
 from ..forms.kind import Kind
+from ..forms.spec import Reading
 from .call_spec import TiledCallSpec
 
 __all__ = ["STATE_ATTR", "PlanOptions", "TilingState", "TracedCall"]
@@ -122,9 +124,22 @@ class TilingState(OperatorImpl):
         except AttributeError:
             return None
 
-    def strategy(self, module: nn.Module) -> Strategy:
+    def _path_to(self, module: nn.Module) -> list[nn.Module]:
+        """The modules from the root to ``module`` (``module`` alone where the path is gone or is another's)."""
         path = [m for m in (ref() for ref in self.path) if m is not None]
-        return self.strategy_at(path if path and path[-1] is module else [module])
+        return path if path and path[-1] is module else [module]
+
+    def strategy(self, module: nn.Module) -> Strategy:
+        return self.strategy_at(self._path_to(module))
+
+    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor,
+               read: Callable[[], Reading]) -> ContextManager[Localized]:
+        """The strategy's part of one call of ``module`` (``Strategy.opened``), with ``auto``'s choice in the same
+        step (``StrategyChoice.opened``): the call goes into ``distributed/`` once for both."""
+        if self.forced is not None:
+            return self.strategy(module).opened(module, module_name, x, read)
+        return self._choice.opened(self._path_to(module), self.spec.slots, getattr(self.spec, "layout", None),
+                                   self.spec.name, module, x, read, self.reason, head=self.kind == Kind.LOSS)
 
     def strategy_at(self, path: list[nn.Module]) -> Strategy:
         """The strategy of the module at the end of ``path`` (root first), as wrapped now."""
@@ -157,8 +172,8 @@ class TilingState(OperatorImpl):
 
     def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
-        strategy, read = self.strategy(module), functools.partial(self.spec.form.given, params, not generic)
-        with record_function("tiledmlp::call"), strategy.opened(module, self.spec.name, x, read) as local:
+        read = functools.partial(self.spec.form.given, params, not generic)
+        with record_function("tiledmlp::call"), self.opened(module, self.spec.name, x, read) as local:
             run = self.spec.prepare(local, module, original_forward(module), token_inputs)
             with record_function("tiledmlp::forward"):
                 outs = forward_shards(run.call, run.x, local.params, run.token_inputs)

@@ -50,19 +50,36 @@ def moves(call: Callable[[], Any]) -> Counter:
 
 
 def test_a_call_takes_one_step_into_the_strategy_and_one_into_the_form():
-    """From the call spec: into ``distributed/`` for the strategy's step, its finish and its context's exit (before,
-    also for the parameter check, the local tensors and the backward context, one trip each), and into ``forms/``
-    once to read the slots (from the strategy's step) and once to build the form (before, once per slot read, the
-    deduplication, the layout's remap and each size it asked of the layout)."""
+    """From the call spec: into ``distributed/`` for the strategy's step and its context's exit (before, also for
+    the parameter check, the local tensors and the backward context, one trip each, and for a finish that had
+    nothing to do without tensor parallelism), and into ``forms/`` once to read the slots (from the strategy's step)
+    and once to build the form (before, once per slot read, the deduplication, the layout's remap and each size it
+    asked of the layout)."""
     mlp = tiledmlp.enable_tiling(llama_mlp(), num_shards=2)
     state = mlp.__dict__[STATE_ATTR]
     x = torch.randn(1, 16, 32, requires_grad=True)
     mlp(x)  # the first call decides what can be decided
     strategy = state.strategy(mlp)
-    went = moves(lambda: state.spec(strategy, mlp, None, x))
-    assert went[("patching", "distributed")] == 3
+    went = moves(lambda: state.spec(strategy.opened, mlp, None, x))
+    assert went[("patching", "distributed")] == 2
     assert went[("distributed", "forms")] == 1
     assert went[("patching", "forms")] == 1
+
+
+def test_a_patched_call_enters_distributed_once():
+    """The whole patched call (``forwards._tiled_forward``): ``auto``'s cached choice and the strategy's step are one
+    trip into ``distributed/`` (``StrategyChoice.opened``), whose context's exit is the only other one; the
+    hooked-children check takes none while no child has a hook (before: five trips, for the hooks check, the choice,
+    the step, the finish and the exit). A hook registered later is still seen, and the call takes the generic form."""
+    mlp = tiledmlp.enable_tiling(llama_mlp(), num_shards=2)
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    mlp(x)
+    went = moves(lambda: mlp(x))
+    assert went[("patching", "distributed")] == 2
+    seen = []
+    mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(1))
+    mlp(x)
+    assert len(seen) == 2  # per shard: the generic form calls the children
 
 
 def test_the_index_map_and_layout_are_made_once_per_identity_pattern(monkeypatch):
