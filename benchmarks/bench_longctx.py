@@ -73,8 +73,8 @@ from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_vers
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
             "loss+norms+auto+attn", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
-COLUMNS = ("variant", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
-           "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
+COLUMNS = ("variant", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
+           "host_rss_gib", "placement", "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -113,9 +113,9 @@ def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None,
                                attention="attn" in parts, offload=offload, **budgets)
 
 
-def document_lengths(tokens: int, seed: int, shortest: int = 256, longest: int = 32768) -> list[int]:
-    """Mixed document lengths that fill ``tokens``: log-uniform between ``shortest`` and ``longest`` (what a long-context
-    fine-tuning mix looks like: many short documents, a few long ones), the last one cut to fit."""
+def document_lengths(tokens: int, seed: int, shortest: int, longest: int) -> list[int]:
+    """Mixed document lengths that fill ``tokens``: log-uniform between ``shortest`` and ``longest`` (what a
+    long-context fine-tuning mix looks like: many short documents, a few long ones), the last one cut to fit."""
     gen = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
     while sum(lengths) < tokens:
@@ -208,7 +208,8 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     step_s = statistics.median(times)
     offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (warmup + steps)
     documents = int((batch["position_ids"] == 0).sum()) if packed else 1
-    return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, "step_s": step_s, "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
+    return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, "step_s": step_s,
+            "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
             "host_gib": offloaded / 2**30, "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib,
             **predicted(model, variant, tokens)}
 
@@ -302,13 +303,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = (f"bench_longctx_{gpu_slug(device)}" + ("" if args.model == "1b" else f"_{args.model}")
-            + ("_packed" if args.packed else "") + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else ""))
+            + ("_packed" if args.packed else "") + (f"_{args.tag}" if args.tag else "")
+            + ("_smoke" if args.smoke else ""))
     write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
-    print_rows(rows, ("variant", "T", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib",
-                      "step_s", "tokens_per_s", "loss"))
+    print_rows(rows, ("variant", "T", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
+                      "host_rss_gib", "step_s", "tokens_per_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows
 

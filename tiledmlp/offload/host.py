@@ -180,10 +180,10 @@ class HostOffload:
     #: against 47.73 in 212.1 s against 210.3 s (no offload: 74.14 GiB, 213.9 s); at 128K 14.95 vs 15.33 GiB
     prefetch = "late"
 
-    def __init__(self, device: torch.device, min_bytes: Optional[int] = None, expected_regions: int = 0) -> None:
+    def __init__(self, device: torch.device, min_bytes: Optional[int] = None) -> None:
         self.device = device
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
-        self.expected_regions = expected_regions  # layers offloaded per step: the host-memory check, buffers pinned ahead
+        self.expected_regions = 0  # layers offloaded per step (expect): the host-memory check, buffers pinned ahead
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: dict[int, list[Future]] = {}  # buffers being pinned ahead, by size

@@ -138,8 +138,7 @@ class TilingState(OperatorImpl):
         step (``StrategyChoice.opened``): the call goes into ``distributed/`` once for both."""
         if self.forced is not None:
             return self.strategy(module).opened(module, module_name, x, read)
-        return self._choice.opened(self._path_to(module), self.spec.slots, getattr(self.spec, "layout", None),
-                                   self.spec.name, module, x, read, self.reason, head=self.kind == Kind.LOSS)
+        return self._choice.opened(self._path_to(module), module=module, x=x, read=read, **self._wrapping_facts())
 
     def strategy_at(self, path: list[nn.Module]) -> Strategy:
         """The strategy of the module at the end of ``path`` (root first), as wrapped now."""
@@ -152,8 +151,7 @@ class TilingState(OperatorImpl):
     def _check_forced(self, path: list[nn.Module]) -> None:
         """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
         not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
-        wrapping, tp = wrapping_of(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
-                                   self.reason, head=self.kind == Kind.LOSS)
+        wrapping, tp = wrapping_of(path, **self._wrapping_facts())
         if wrapping is not Wrapping.NONE:
             self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
             self.recheck = False
@@ -161,8 +159,13 @@ class TilingState(OperatorImpl):
     def detected(self, path: list[nn.Module]) -> Strategy:
         """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now: decided
         once per wrapping (``distributed.selection``, design note "decided once, checked cheaply")."""
-        return self._choice.choose(path, self.spec.slots, getattr(self.spec, "layout", None), self.spec.name,
-                                   self.reason, head=self.kind == Kind.LOSS)
+        return self._choice.choose(path, **self._wrapping_facts())
+
+    def _wrapping_facts(self) -> dict[str, Any]:
+        """What reading this module's wrapping takes besides its path (``distributed.selection``): its slots, fast
+        layout, name, why it takes the generic form, and whether it is an LM head."""
+        return dict(slots=self.spec.slots, layout=getattr(self.spec, "layout", None), label=self.spec.name,
+                    reason=self.reason, head=self.kind == Kind.LOSS)
 
     def __getstate__(self):  # picklable: weak references and run-time caches are dropped
         return {**self.__dict__, "path": [], "_choice": StrategyChoice()}
