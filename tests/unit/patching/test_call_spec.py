@@ -20,33 +20,15 @@ from tiledmlp.core.compiled import STATE_ATTR
 from tiledmlp.forms.mlp import MLPLayout
 from unit_helpers import check_against_untiled, llama_mlp
 
-PACKAGE = Path(tiledmlp.__file__).resolve().parent
-
-
-def _package(frame: Any) -> str:
-    try:
-        return Path(frame.f_code.co_filename).resolve().relative_to(PACKAGE).parts[0]
-    except ValueError:
-        return ""
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from walk_one_call import walk  # noqa: E402
 
 
 def moves(call: Callable[[], Any]) -> Counter:
     """``{(package, package): times}``: how often control went from one ``tiledmlp`` package to another (a call, or a
-    return to its caller) while ``call()`` ran; frames outside ``tiledmlp`` (``contextlib``) are walked through."""
-    where: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event in ("call", "return"):
-            here = _package(frame if event == "call" else frame.f_back)
-            if here and (not where or where[-1] != here):
-                where.append(here)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return Counter(zip(where, where[1:]))
+    return to its caller) while ``call()`` ran (``benchmarks/walk_one_call.py``'s walk)."""
+    packages = [package for package, _ in walk(call)[0]]
+    return Counter(zip(packages, packages[1:]))
 
 
 def test_a_call_takes_one_step_into_the_strategy_and_one_into_the_form():
