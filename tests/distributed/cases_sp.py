@@ -242,9 +242,9 @@ def ulysses_attention_kept(env: Env) -> dict[str, Any]:
 @case
 def ulysses_plan_meets_measured(env: Env) -> dict[str, Any]:
     """``plan_memory`` under Ulysses against every measured row of ``tiledmlp.attention.ulysses`` (``bench_sp.py``'s
-    ``tiled+offload+norms+attn`` rows on two GPUs under FSDP2, read from ``benchmarks/results``): the 8B shape built
-    on the meta device, sharded by FSDP2 over these ranks as the benchmark shards it (nothing allocated); each row's
-    device peak against the plan's (relative errors)."""
+    ``tiled+offload+norms+attn`` rows on two GPUs under FSDP2, read from ``benchmarks/results``): the 8B shape (the
+    1B where the file's tag says ``_1b_``) built on the meta device, sharded by FSDP2 over these ranks as the
+    benchmark shards it (nothing allocated); each row's device peak against the plan's (relative errors)."""
     import csv
     import sys
     from pathlib import Path
@@ -263,16 +263,20 @@ def ulysses_plan_meets_measured(env: Env) -> dict[str, Any]:
     sys.path.insert(0, str(results.parent))
     import bench_longctx
 
+    def size(name: str) -> str:  # the shape is in the file's tag (the CSV has no column for it): 8B unless named
+        return "1b" if "_1b_" in name else "8b"
+
     errors = {}
-    for layers in sorted({int(row["layers"]) for _, row in rows}):
-        model = bench_longctx.build_model(dict(bench_longctx.MODELS["8b"], layers=layers), 1 << 20,
+    for shape, layers in sorted({(size(name), int(row["layers"])) for name, row in rows}):
+        # bench_sp unties the head (its gradient is compared on its own), the 1B shape's too
+        model = bench_longctx.build_model(dict(bench_longctx.MODELS[shape], layers=layers, tied=False), 1 << 20,
                                           torch.device("meta"), torch.bfloat16)
         mesh = init_device_mesh("cpu", (env.world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         for name, row in rows:
-            if int(row["layers"]) == layers:
+            if (size(name), int(row["layers"])) == (shape, layers):
                 plan = tiledmlp.plan_memory(model, int(row["T"]), sequence_parallel=env.world, norms=True,
                                             attention=True, offload="cpu", gpu_mib=1 << 20, host_mib=1 << 20)
                 errors[f"{name}:{row['T']}"] = plan.gpu_peak_bytes / (float(row["peak_gib"]) * 2**30) - 1

@@ -17,6 +17,13 @@ one layer's backward, where that layer's recompute has rebuilt what its forward 
 * a recomputed layer's rebuild: the inputs of the layers below it down to the kept one (one, unless recomputed
   layers are adjacent).
 
+A layer that keeps its attention output (below) peaks earlier, inside its recompute, before its own gradients exist:
+the recompute reuses the kept output and holds, besides q/k/v and that output, the layer input, the gradient in, the
+output projection's contiguous input, its output, the residual and the MLP's output (six hidden vectors), and RoPE's
+cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the backward. Profiled on an H200
+(``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
+this model's 46.13); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
+
 The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
 host holds the offloaded inputs in pinned buffers.
 
@@ -24,8 +31,8 @@ Besides the per-token terms, the layer's backward holds the scratch of whichever
 with ``attention=True`` the larger of the shard policy's budget (``scratch_mib``: one MLP, norm or loss shard, or one
 call's KV-head groups) and, where even one KV-head group's backward scratch exceeds it (from about 100K tokens for the
 8B shape), that group's; without, the attention core's backward for all heads is the peak and is a per-token term.
-Measured on an H100 (``tests/unit/plan/test_memory.py`` reads every benchmark CSV of it): the Llama-3.1-8B and
--3.2-1B shapes, 2 to 32 layers, 32K to 768K tokens, every placement, within 3%.
+Measured on an H100 and an H200 (``tests/unit/plan/test_memory.py`` reads every benchmark CSV of them): the
+Llama-3.1-8B and -3.2-1B shapes, 2 to 32 layers, 32K to 1M tokens, every placement, within 3%.
 
 Design note — placement
 -----------------------
@@ -64,8 +71,8 @@ from ..offload import host
 from .shapes import ModelShape
 
 __all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak", "arrange", "place",
-           "working_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes", "attention_kept_bytes",
-           "Placed"]
+           "working_bytes_per_token", "recompute_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes",
+           "attention_kept_bytes", "Placed"]
 
 GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"
 Placed = tuple[tuple[str, ...], tuple[bool, ...]]  # each layer's input place, whether it keeps its attention output
@@ -109,6 +116,14 @@ def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
     if not options.norms:
         modelled += UNTILED_NORMS_HIDDEN_VECTORS * h * a
     return modelled
+
+
+def recompute_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
+    """Bytes per token of a layer's recompute at its peak where the layer keeps its attention output (design note):
+    the kept output and log-sum-exp, q/k/v, six hidden vectors and RoPE's cos and sin."""
+    a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
+    modelled = q * a + shape.heads * 4 + (q + 2 * kv) * a + 6 * h * a + 2 * shape.head_dim * a
+    return modelled + (0 if options.norms else UNTILED_NORMS_HIDDEN_VECTORS * h * a)
 
 
 def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> int:
@@ -203,6 +218,7 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     kept = tokens * shape.layer_input_bytes_per_token  # one layer's input
     attention = attention_kept_bytes(shape, options, tokens) if any(keeps) else 0  # one layer's kept output
     per_token = working_bytes_per_token(shape, options)
+    recompute = recompute_bytes_per_token(shape, options)
     scratch = scratch_bytes(shape, options, tokens)
     working = int(tokens * per_token) + scratch
     slot = _ulysses_slot_bytes(shape, options, tokens)
@@ -218,16 +234,21 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     for i in range(n):
         chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
-        terms = fixed + [
+        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
+                 Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
+                      f"{keeps_below} layers below {i}"),
+                 Term("the inputs below, for the rebuild", GPU, chain * kept)]
+        candidates.append((f"in layer {i}'s backward", fixed + [
             Term("gradients", GPU, grads_from_i,
-                 f"the head's and {layers}'s (the input embedding's comes after the layers)"),
-            Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
-            Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
-                 f"{keeps_below} layers below {i}"),
+                 f"the head's and {layers}'s (the input embedding's comes after the layers)"), *below,
             Term("the layer's backward", GPU, working,
-                 f"{per_token / 1024:.1f} KiB per token, {scratch / 2**20:.0f} MiB scratch"),
-            Term("the inputs below, for the rebuild", GPU, chain * kept)]
-        candidates.append((f"in layer {i}'s backward", terms))
+                 f"{per_token / 1024:.1f} KiB per token, {scratch / 2**20:.0f} MiB scratch")]))
+        if keeps[i]:  # its recompute reuses the kept output: a moment of its own, before the layer's gradients
+            above = f" and layers {i + 1}-{n - 1}'s" if i < n - 1 else ""
+            candidates.append((f"in layer {i}'s recompute", fixed + [
+                Term("gradients", GPU, grads_from_i - layer_grad_bytes[i], f"the head's{above}"), *below,
+                Term("the layer's recompute", GPU, int(tokens * recompute),
+                     f"{recompute / 1024:.1f} KiB per token, the kept attention output reused")]))
         on_gpu_below += places[i] == GPU
         keeps_below += bool(keeps[i])
         grads_from_i -= layer_grad_bytes[i]

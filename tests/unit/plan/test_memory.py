@@ -73,7 +73,26 @@ def test_the_model_meets_every_measured_peak_within_5_percent():
         assert peak.host_bytes == places.count(HOST) * tokens * model.config.hidden_size * 2  # each input, pinned
         if row.get("host_gib"):  # measured since 0.4.0: the bytes the offloader moved per step
             assert abs(float(row["host_gib"]) * 2**30 - peak.host_bytes) <= 2**20, row
-    assert max(abs(e[-1]) for e in errors) <= 0.05, errors
+    # the issue asks for 5%; every row is within 3% since the recompute of a layer keeping its attention output
+    # has its own term (the 8-layer 640K row was 3.4% low without it)
+    assert max(abs(e[-1]) for e in errors) <= 0.03, errors
+
+
+def test_a_layer_keeping_its_attention_output_peaks_in_its_recompute():
+    """The profiled step (``profile_layer_memory.py``, one H200, 8B shape, 2 layers, 524,288 tokens,
+    ``offload=\"auto\"`` keeping both inputs and attention outputs): the blocks alive at its peak (made during the
+    step) against the plan's peak less the weights (made before it), and the moment: the top layer's recompute
+    inside its backward, before the layer's gradients."""
+    stem = RESULTS / "profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn"
+    measured = sum(int(row["bytes"]) for row in csv.DictReader(open(f"{stem}.csv")))
+    came_with = Path(f"{stem}_stacks.txt").read_text().splitlines()[0]
+    assert "regions.py" in came_with and "function.py:backward" in came_with, came_with
+    model = meta_model("8b", 2)
+    options = step_options(model, loss=True, norms=True, attention=True, offload="auto")
+    peak = step_peak(model_shape(model), options, 524288, (GPU, GPU), (True, True))
+    assert peak.moment == "in layer 1's recompute", peak.moment
+    weights = next(t.nbytes for t in peak.terms if t.name == "weights")
+    assert abs((peak.gpu_bytes - weights) / measured - 1) <= 0.01, (peak.gpu_bytes - weights, measured)
 
 
 def test_terms_of_the_8b_shape():
