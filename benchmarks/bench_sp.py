@@ -36,9 +36,10 @@ of 1 and rescales only the input's), which the column shows. (The head is untied
     torchrun --nproc-per-node 2 benchmarks/bench_sp.py --smoke      # tiny model on CPU processes (gloo)
 
 Peak memory is ``torch.cuda.max_memory_allocated`` of each rank (the largest reported); ``predicted_gib`` is
-``tiledmlp.plan_memory``'s device peak per rank for the tiled variants (not ``+dsx``). With offload the peak
-does not grow with the number of layers beyond their weights: a run with fewer layers at length T gives the full
-model's peak at T plus the other layers' weights. Rank 0 writes ``benchmarks/results/bench_sp_<gpu>.csv``.
+``tiledmlp.plan_memory``'s device peak per rank for the tiled variants (not ``+dsx``; the ring's by its local
+tokens). With offload the peak does not grow with the number of layers beyond their weights: a run with fewer layers
+at length T gives the full model's peak at T plus the other layers' weights. Rank 0 writes
+``benchmarks/results/bench_sp_<gpu>.csv``.
 """
 
 from __future__ import annotations
@@ -218,9 +219,10 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
 
 def predicted_gib(model: nn.Module, variant: str, tokens: int, world: int) -> float:
     """``tiledmlp.plan_memory``'s device peak per rank (GiB) for a tiled variant as configured (the plan models
-    tiledmlp's Ulysses attention); NaN for the others: the untiled model, the ALST stack, DeepSpeed's exchanges
-    (``+dsx``) and the ring's."""
-    if not variant.startswith("tiled") or variant.endswith("+dsx"):
+    tiledmlp's Ulysses attention; under torch's ring, ``ring+tiled...``, it plans the rank's local tokens only, which
+    this column is there to check); NaN for the others: the untiled model, the ALST stack, DeepSpeed's exchanges
+    (``+dsx``) and the untiled ring."""
+    if not variant.removeprefix("ring+").startswith("tiled") or variant.endswith("+dsx"):
         return math.nan
     return tiledmlp.plan_memory(model, tokens, sequence_parallel=world, gpu_mib=1 << 30,
                                 host_mib=1 << 30).gpu_peak_bytes / 2**30
