@@ -65,8 +65,8 @@ __all__ = ["AutocastReplay", "SHARD_DEPTH", "ShardDepth", "backward_shards", "fo
 
 class ShardDepth(threading.local):
     """How many forms' shards this thread is computing, one inside another (``depth``; 0: none), so that a tiled
-    module called from inside a shard runs untiled. Written only by this module, around each shard; read from outside as a
-    plain attribute (:data:`SHARD_DEPTH`), which a patched module's every call checks without a step into core."""
+    module called from inside a shard runs untiled. Written only by this module, around each shard; read from outside
+    as a plain attribute (:data:`SHARD_DEPTH`), which a patched module's every call checks without a step into core."""
 
     depth: int = 0  # per thread: a class attribute is every new thread's starting value
 

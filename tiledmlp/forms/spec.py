@@ -97,7 +97,7 @@ class FormSpec:
     def read(self, fast: bool = True) -> Reading:
         """The slots' tensors now, each once, and the fast layout over them where ``fast`` (the call may take the fast
         form) and there is one. Called inside the strategy's forward context, or just before it where the context
-        changes nothing the slots hold (``tiledmlp.distributed.strategies.Strategy.context_changes_slots``)."""
+        changes nothing the slots hold (``tiledmlp.distributed.strategies.Strategy.has_forward_context``)."""
         return self.given(read_slots(self.slots), fast)
 
     def given(self, tensors: Sequence[torch.Tensor], fast: bool = True) -> Reading:
