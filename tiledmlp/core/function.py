@@ -60,9 +60,19 @@ from torch.profiler import record_function
 from .accumulate import GradAccumulator
 from .form import Form, TileCall, shard_bounds
 
-__all__ = ["AutocastReplay", "backward_shards", "forward_shards", "run_tiled", "in_shard"]
+__all__ = ["AutocastReplay", "SHARD_DEPTH", "ShardDepth", "backward_shards", "forward_shards", "run_tiled", "in_shard"]
 
-_state = threading.local()
+
+class ShardDepth(threading.local):
+    """How many forms' shards this thread is computing, one inside another (``depth``; 0: none), so that a tiled
+    module called from inside a shard runs untiled. Written only by this module, around each shard; read from outside
+    as a plain attribute (:data:`SHARD_DEPTH`), which a patched module's every call checks without a step into core."""
+
+    depth: int = 0  # per thread: a class attribute is every new thread's starting value
+
+
+#: This thread's shard depth (:class:`ShardDepth`): read it, never write it.
+SHARD_DEPTH = ShardDepth()
 
 
 _TWICE = ("tiledmlp: a tiled MLP or loss computes its gradients shard by shard, once, so it cannot be "
@@ -99,16 +109,16 @@ def _refuse_functorch() -> None:
 
 def in_shard() -> bool:
     """True while a form computes one shard (so a tiled module called from inside it runs untiled)."""
-    return getattr(_state, "depth", 0) > 0
+    return SHARD_DEPTH.depth > 0
 
 
 @contextlib.contextmanager
 def _shard_scope():
-    _state.depth = getattr(_state, "depth", 0) + 1
+    SHARD_DEPTH.depth += 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        SHARD_DEPTH.depth -= 1
 
 
 class _RngReplay:

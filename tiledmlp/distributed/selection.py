@@ -11,13 +11,17 @@ running (``DistributedDataParallel._active_ddp_module``, the one global a wrappe
 keeps the last decision with that key — a tuple of identities, types and two flags, read per call — and decides
 again (detect, read the TP plan, pick) only when it differs. Cost per call: the slots' reads and one tuple compare.
 A patched module's call takes the choice and the chosen strategy's step (``Strategy.opened``) together
-(:meth:`StrategyChoice.opened`): one step into ``distributed/`` per call, not one to choose and one to open.
+(:meth:`StrategyChoice.opened`): one step into ``distributed/`` per call, not one to choose and one to open. Its
+slots are read once where they can be: the key's read is the call's (the form's ``read``, one step into ``forms/``)
+where the last decision's strategy has no forward context to change them (``Strategy.has_forward_context``: plain,
+DDP, FSDP1, tensor parallel over them); under FSDP2 and DeepSpeed the key's read is a plain one and the call reads
+again inside the context, so the form's cache per identity pattern (``forms/spec.py``) sees one pattern per call, the
+context's, as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -120,21 +124,25 @@ class StrategyChoice:
                 nn.parallel.DistributedDataParallel._active_ddp_module is not None)
 
     def choose(self, path: list[nn.Module], slots: Sequence[Slot], layout: Optional[Any], label: str, reason: str = "",
-               head: bool = False) -> Strategy:
-        key = self._key(path, read_slots(slots))
+               head: bool = False, tensors: Optional[Sequence[torch.Tensor]] = None) -> Strategy:
+        """The strategy for the module as wrapped now; ``tensors``: what its ``slots`` hold, where the caller read them
+        already."""
+        key = self._key(path, read_slots(slots) if tensors is None else tensors)
         if key != self.key or self.strategy is None:
             wrapping, tp = wrapping_of(path, slots, layout, label, reason, head)
             self.key, self.strategy = key, strategy_for(wrapping, owning_units(path, wrapping), tp)
         return self.strategy
 
-    @contextlib.contextmanager
     def opened(self, path: list[nn.Module], slots: Sequence[Slot], layout: Optional[Any], label: str,
                module: nn.Module, x: torch.Tensor, read: Callable[[], Reading], reason: str = "",
-               head: bool = False) -> Iterator[Localized]:
+               head: bool = False) -> ContextManager[Localized]:
         """:meth:`choose`, and the chosen strategy's part of the call (``Strategy.opened``) around the block: a
-        patched module's whole strategy step, taken once per call (design note)."""
-        with self.choose(path, slots, layout, label, reason, head).opened(module, label, x, read) as local:
-            yield local
+        patched module's whole strategy step, taken once per call, its slots read once where they can be (design
+        note)."""
+        last = self.strategy
+        reading = read() if last is not None and not last.has_forward_context else None
+        tensors = read_slots(slots) if reading is None else [reading.tensors[i] for i in reading.index]
+        return self.choose(path, slots, layout, label, reason, head, tensors).opened(module, label, x, read, reading)
 
 
 def strategy_of_call(params: Sequence[torch.Tensor], module: Optional[nn.Module] = None) -> Strategy:

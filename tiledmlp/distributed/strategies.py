@@ -66,6 +66,10 @@ class Strategy:
 
     name: ClassVar[str] = "plain"
     wrapping: ClassVar[Wrapping] = Wrapping.NONE
+    #: Whether the strategy has a :meth:`forward_context` (FSDP2's unshard, a ZeRO-3 gather: each changes the
+    #: parameter slots' tensors, which ones they hold or what those hold), which a call enters before it reads them and
+    #: leaves after its shards. One without changes nothing the slots hold and has nothing to leave (:meth:`opened`).
+    has_forward_context: ClassVar[bool] = False
 
     def __init__(self, units: Sequence[nn.Module] = (), tp_mesh: Any = None) -> None:
         # FSDP units owning the MLP's parameters (the MLP itself or its nearest FSDP ancestor).
@@ -83,12 +87,24 @@ class Strategy:
         """Wraps reading the parameters and running the forward shards."""
         yield
 
-    @contextlib.contextmanager
-    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor,
-               read: Callable[[], Reading]) -> Iterator[Localized]:
+    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor, read: Callable[[], Reading],
+               reading: Optional[Reading] = None) -> ContextManager[Localized]:
         """The strategy's part of one tiled call of ``module``, in one step: its forward context around the block (an
         FSDP2 unshard, a ZeRO-3 gather), and inside it the parameter tensors as the wrapper holds them then
-        (``read``: the form's, ``tiledmlp.forms.spec.FormSpec.read``), checked and made local (:meth:`local_call`)."""
+        (``read``: the form's, ``tiledmlp.forms.spec.FormSpec.read``), checked and made local (:meth:`local_call`).
+
+        A strategy without a forward context (:attr:`has_forward_context`) takes ``reading``, the caller's ``read()``
+        just before this step, where it has one (``StrategyChoice.opened``'s, for its key), and has nothing to leave:
+        its local tensors come in a context that does nothing, so the call steps back into this package neither to
+        read nor to exit."""
+        if not self.has_forward_context:
+            local = self.local_call(module_name, x, read() if reading is None else reading, module)
+            return contextlib.nullcontext(local)
+        return self._in_forward_context(module, module_name, x, read)
+
+    @contextlib.contextmanager
+    def _in_forward_context(self, module: nn.Module, module_name: str, x: torch.Tensor,
+                            read: Callable[[], Reading]) -> Iterator[Localized]:
         with self.forward_context(module):
             yield self.local_call(module_name, x, read(), module)
 
@@ -196,6 +212,7 @@ class FSDP2Strategy(Strategy):
 
     name = "fsdp2"
     wrapping = Wrapping.FSDP2
+    has_forward_context = True  # its unshard sets the unsharded parameters on the modules
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
@@ -273,6 +290,7 @@ class DeepSpeedStrategy(Strategy):
 
     name = "deepspeed"
     wrapping = Wrapping.DEEPSPEED
+    has_forward_context = True  # ZeRO-3's gather keeps the parameter objects but makes them whole
 
     @contextlib.contextmanager
     def forward_context(self, module: nn.Module) -> Iterator[None]:
@@ -315,6 +333,7 @@ class _Layered(Strategy):
     def __init__(self, inner: Strategy, tp_mesh: Any = None) -> None:
         super().__init__(inner.units, inner.tp_mesh if tp_mesh is None else tp_mesh)
         self.inner = inner
+        self.has_forward_context = inner.has_forward_context  # the forward context is inner's
 
     def forward_context(self, module: nn.Module):
         return self.inner.forward_context(module)

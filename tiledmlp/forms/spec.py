@@ -2,9 +2,10 @@
 ``tiledmlp.patching.call_spec``), and the two steps one tiled call takes into the forms:
 
 * :meth:`FormSpec.read`: the slots' tensors (each once) and the fast form's layout over them, read inside the
-  strategy's forward context (so a wrapper's current tensors are used);
+  strategy's forward context where it changes them (so a wrapper's current tensors are used);
 * :meth:`FormSpec.tile_call`: the form over the strategy's local tensors and its cut (tokens per shard,
-  ``tiledmlp.core.sharding``), as the :class:`~tiledmlp.core.form.TileCall` the tiled function runs.
+  ``tiledmlp.core.sharding``), as the :class:`~tiledmlp.core.form.TileCall` the tiled function runs: one step into
+  core per call, the tile call's (the cut is remembered, below).
 
 Design note — decided once, checked cheaply
 -------------------------------------------
@@ -17,12 +18,18 @@ themselves are read through the slots on every call, so the call computes with w
 unsharded parameters, FSDP1's flat-parameter views, ``load_state_dict(assign=True)``'s new tensors). Which form a call
 builds follows from its layout's type, fixed at plan time; the generic form is built where the call may not take the
 fast one.
+
+The cut is decided the same way: it depends on nothing but the call's sizes (tokens, widths, the bytes of an element;
+whether the MLP is gated) and the spec's policy, fixed when it is made, so :meth:`FormSpec.tile_call` keeps the last
+cut with the sizes it was made from (:meth:`FormSpec._cut`) and asks core's ``ShardPolicy`` again only when a call's
+sizes differ (a new sequence length, autocast switched on or off, a weight of another width): a repeated call takes
+one step into core, for its :class:`~tiledmlp.core.form.TileCall`, not one more for its cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -39,6 +46,8 @@ __all__ = ["FormSpec", "Layout", "Reading"]
 
 #: a fast form's layout, over the tiled function's parameter tensors
 Layout = Union[MLPLayout, ExpertsLayout, ProjLayout]
+
+_Cut = TypeVar("_Cut")
 
 
 @dataclass(frozen=True)
@@ -83,10 +92,12 @@ class FormSpec:
         self.sized_by_copies = sized_by_copies
         self.grad_accum_dtype = grad_accum_dtype
         self._pattern: Optional[_Pattern] = None
+        self._last_cut: Optional[tuple[tuple, Any]] = None  # ((its cut's name, its sizes), the cut): :meth:`_cut`
 
     def read(self, fast: bool = True) -> Reading:
         """The slots' tensors now, each once, and the fast layout over them where ``fast`` (the call may take the fast
-        form) and there is one. Called inside the strategy's forward context."""
+        form) and there is one. Called inside the strategy's forward context, or just before it where the context
+        changes nothing the slots hold (``tiledmlp.distributed.strategies.Strategy.has_forward_context``)."""
         return self.given(read_slots(self.slots), fast)
 
     def given(self, tensors: Sequence[torch.Tensor], fast: bool = True) -> Reading:
@@ -115,12 +126,14 @@ class FormSpec:
         accum = self.grad_accum_dtype
         form: Form
         if layout is None:
-            shard_rows = forward_rows = self.generic_rows(tokens, hidden)
+            shard_rows = forward_rows = self._cut(self.generic_rows, tokens, hidden)
             form = ModuleForm(forward, self.slots, index, x.dim())
         elif isinstance(layout, ExpertsLayout):
             k = token_inputs[0].shape[-1]
             token_inputs = tuple(t.reshape(tokens, k) for t in token_inputs)
-            shard_rows = forward_rows = self._experts_rows(layout, x, tensors, tokens, k)
+            itemsize = _compute_itemsize(x, tensors[layout.up])
+            shard_rows = forward_rows = self._cut(self._experts_rows, tokens, hidden, layout.inter(tensors),
+                                                  layout.up_width(tensors), k, itemsize)
             form = MoEForm(layout, None if layout.activation is not None else getattr(module, GATE_ATTRS[layout.gated]))
         else:
             # A fast form's 4-bit weights (tiledmlp.forms.quant): index among the tensors -> quantization state; the
@@ -128,7 +141,7 @@ class FormSpec:
             quantized = {index[slot]: quant_state_of(q.module) for slot, q in self.quantized}
             c = compute_dtype_of(self.quantized[0][1].module, x) if quantized else None
             if isinstance(layout, ProjLayout):  # a LoRA projection (tiledmlp.recognize.projections), 4-bit or not
-                shard_rows = forward_rows = self.generic_rows(tokens, hidden)
+                shard_rows = forward_rows = self._cut(self.generic_rows, tokens, hidden)
                 form = ProjForm(layout, quantized, c)
             else:
                 form, shard_rows, forward_rows = self._mlp_form(layout, x, tensors, tokens, quantized, c)
@@ -138,12 +151,18 @@ class FormSpec:
                         around_backward=around_backward, grad_accum_dtype=accum)
         return call, x.reshape(-1, hidden), tuple(token_inputs)
 
-    def _experts_rows(self, layout: ExpertsLayout, x: torch.Tensor, tensors: Sequence[torch.Tensor], tokens: int,
-                      k: int) -> int:
+    def _cut(self, how: Callable[..., _Cut], *sizes: Any) -> _Cut:
+        """``how(*sizes)``: the call's cut, made again only where it is not the last call's cut of the same sizes
+        (module docstring's design note)."""
+        key = (how.__qualname__, sizes)  # by name: the spec keeps no method of itself (no reference cycle)
+        last = self._last_cut
+        if last is None or last[0] != key:
+            last = self._last_cut = (key, how(*sizes))
+        return last[1]
+
+    def _experts_rows(self, tokens: int, hidden: int, inter: int, up_width: int, k: int, itemsize: int) -> int:
         """Tokens per shard of the MoE form, by its scratch per token at top-``k``."""
-        itemsize = _compute_itemsize(x, tensors[layout.up])
-        per_token = moe_scratch_per_token(x.shape[-1], layout.inter(tensors), layout.up_width(tensors), k, itemsize)
-        return self.policy.moe_rows(tokens, per_token)
+        return self.policy.moe_rows(tokens, moe_scratch_per_token(hidden, inter, up_width, k, itemsize))
 
     def _mlp_form(self, layout: MLPLayout, x: torch.Tensor, tensors: Sequence[torch.Tensor], tokens: int,
                   quantized: dict[int, Any], c: Optional[torch.dtype]) -> tuple[MLPForm, int, int]:
@@ -154,7 +173,7 @@ class FormSpec:
         else:
             inter = layout.inter(tensors)
         itemsize = torch.finfo(c).bits // 8 if c is not None else _compute_itemsize(x, tensors[layout.down.weight])
-        shard_rows, chunks, forward_rows = self.policy.mlp_cut(tokens, inter, itemsize, layout.gated)
+        shard_rows, chunks, forward_rows = self._cut(self.policy.mlp_cut, tokens, inter, itemsize, layout.gated)
         form = QuantizedMLPForm(layout, chunks, quantized, c) if c is not None else MLPForm(layout, chunks)
         return form, shard_rows, forward_rows
 

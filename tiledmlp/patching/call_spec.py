@@ -2,12 +2,12 @@
 
 Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call, one step into each
 package: the strategy (``Strategy.opened``; a patched module's ``auto`` strategy chosen in the same step): its forward
-context (may unshard), the parameter tensors read through the slots inside it (the form's
-:meth:`~tiledmlp.forms.spec.FormSpec.read`, so wrappers' current tensors are used), checked and made local (tensor
-parallel: local shards, replicated input) → the form and its cut over them
-(:meth:`~tiledmlp.forms.spec.FormSpec.tile_call`) → the tiled function, whose outputs already have the input's leading
-dims → the strategy's finish (tensor parallel: the one reduction of the call; none, and no step, without it), and its
-forward context left.
+context (may unshard), the parameter tensors read through the slots inside it where it changes them (the form's
+:meth:`~tiledmlp.forms.spec.FormSpec.read`, so wrappers' current tensors are used; ``auto``'s choice takes its key
+from the same read where the context changes nothing), checked and made local (tensor parallel: local shards,
+replicated input) → the form and its cut over them (:meth:`~tiledmlp.forms.spec.FormSpec.tile_call`) → the tiled
+function, whose outputs already have the input's leading dims → the strategy's finish (tensor parallel: the one
+reduction of the call; none, and no step, without it), and its forward context left (none, and no step, without one).
 """
 
 from __future__ import annotations

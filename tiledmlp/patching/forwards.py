@@ -18,7 +18,7 @@ from torch import nn
 from ..attention.layers import reduce_layer_method
 from ..attention.norm_outputs import remember_norm_output
 from ..core.compiled import autocast_name, tiled_call
-from ..core.function import in_shard
+from ..core.function import SHARD_DEPTH
 from ..core.logs import warn_once, warn_once_traced
 from ..distributed.detect import is_dtensor
 from ..distributed.hooks import HOOK_TABLES, hooked_children
@@ -228,7 +228,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
     if state.kind == Kind.MOE:
         return _tiled_experts(module, state, original, args, kwargs)
     x, rebuild = _split_input(state, args, kwargs)
-    if in_shard() or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
+    if SHARD_DEPTH.depth > 0 or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
         return original(*args, **kwargs)
     if _one_shard_inference(state, x, state.spec.layout is not None):
         return original(*args, **kwargs)
@@ -292,7 +292,7 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
     hidden states as token inputs. Runs the module's own forward where tiling cannot help (inside a shard,
     one shard of inference) or would skip code (hooks on its children)."""
     routed, rest = _experts_args(state, args, kwargs)
-    if in_shard() or routed is None or routed[0].numel() == 0 or _has_tensor(rest):
+    if SHARD_DEPTH.depth > 0 or routed is None or routed[0].numel() == 0 or _has_tensor(rest):
         return original(*args, **kwargs)
     x, index, weights = routed
     if _one_shard_inference(state, x, True):

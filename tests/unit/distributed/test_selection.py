@@ -11,7 +11,7 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.distributed import selection
-from tiledmlp.distributed.strategies import PlainStrategy
+from tiledmlp.distributed.strategies import FSDP2Strategy, NoSyncStrategy, PlainStrategy, Strategy
 from unit_helpers import build
 
 
@@ -52,3 +52,15 @@ def test_ddp_running_is_part_of_the_decision(monkeypatch):
 def test_functional_calls_pick_in_the_same_room():
     linear = nn.Linear(4, 4)
     assert isinstance(selection.strategy_of_call(list(linear.parameters()), linear), PlainStrategy)
+
+
+def test_has_forward_context_says_whether_a_strategy_has_one():
+    """A strategy without a forward context reads its call's tensors before its step and has nothing to exit
+    (``Strategy.opened``): the flag must say which strategies override ``forward_context``. A layered strategy's is
+    its inner one's."""
+    for cls in selection.STRATEGIES.values():
+        if cls.__init__ is Strategy.__init__:
+            assert cls.has_forward_context == (cls.forward_context is not Strategy.forward_context), cls.name
+    assert sorted(c.name for c in selection.STRATEGIES.values() if c.has_forward_context) == ["deepspeed", "fsdp2"]
+    assert NoSyncStrategy(FSDP2Strategy()).has_forward_context
+    assert not NoSyncStrategy(PlainStrategy()).has_forward_context
