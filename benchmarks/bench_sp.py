@@ -16,6 +16,10 @@ Variants:
                    (its backward in KV-head groups), as before tiledmlp took Ulysses' calls (the baseline of the next).
 * ``tiled+offload+norms+attn``  and ``attention=True``: Ulysses' calls computed by ``tiledmlp.attention.ulysses``
                    (the exchanges inside one node, per KV-head slot), q/k/v keeping the norm's input.
+* ``tiled+auto+norms+attn``  the same with ``offload="auto"``: the memory plan places each layer input (device, host
+                   or recomputed) and keeps attention outputs within ``--gpu-mib`` / ``--host-mib`` per rank (default:
+                   what each rank may use), as a scaled full-depth run needs (``docs/long-context.md``); the
+                   ``placement`` column says what it chose, ``host_gib`` what it moved to the host per step.
 * ``ring``, ``ring+tiled+offload+norms``  torch's ring attention (``context_parallel``, GPUs only) instead of
                    Ulysses, untiled and tiled: load-balanced chunks (a head and a tail chunk per rank), grouped KV
                    heads repeated at their projections (``tiledmlp.repeat_kv_heads``: the ring has no grouped-query
@@ -70,16 +74,18 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import tiledmlp  # noqa: E402
 import tiledmlp.attention.layers  # noqa: E402
+from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
-from bench_longctx import MODELS, SMOKE, build_model  # noqa: E402
+from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, reset_host_peak  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
 from reporting import fmt, gpu_slug, save_results  # noqa: E402
 from row_outcomes import RowOutcomes  # noqa: E402
 
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn+dsx",
-            "tiled+offload+norms+attn") + RING
-COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "predicted_gib", "step_s", "loss", "grad_rel",
+            "tiled+offload+norms+attn", "tiled+auto+norms+attn") + RING
+COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "predicted_gib", "host_gib", "host_rss_gib",
+           "placement", "gpu_mib", "host_mib", "step_s", "loss", "grad_rel",
            "gpu_name", "torch",
            "transformers", "deepspeed", "tiledmlp", "date")
 
@@ -103,7 +109,8 @@ def alst_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
     return total / valid.clamp_min(1)
 
 
-def configure(model: nn.Module, variant: str) -> None:
+def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None,
+              host_mib: Optional[float] = None) -> None:
     from tiledmlp.attention import layers
     from tiledmlp.distributed.sequence_parallel import ulysses_module
 
@@ -118,7 +125,9 @@ def configure(model: nn.Module, variant: str) -> None:
     if tiling == "alst":
         use_deepspeed_tiled_mlp(model)
     elif tiling.startswith("tiled"):
-        extra = dict(norms=True, offload="cpu") if "offload" in tiling else {}
+        parts = tiling.split("+")
+        extra = (dict(norms=True, offload="cpu") if "offload" in parts else
+                 dict(norms=True, offload="auto", gpu_mib=gpu_mib, host_mib=host_mib) if "auto" in parts else {})
         tiledmlp.enable_tiling(model, attention="+attn" in tiling, **extra)
 
 
@@ -167,6 +176,8 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
+    reset_host_peak()
+    offloaded = offloader_for(device).stats["offloaded_bytes"]
     tracing = trace is not None and device.type == "cuda" and dist.get_rank() == 0
     before = torch.cuda.memory_allocated(device) if tracing else 0
     if tracing:
@@ -199,8 +210,10 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
         torch.cuda.memory._record_memory_history(enabled=None)
         write_profile(events, before, torch.cuda.max_memory_allocated(device), part, trace)
-    stats = torch.tensor([seconds, peak if peak == peak else 0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded) / 2**30
+    stats = torch.tensor([seconds, peak if peak == peak else 0.0, offloaded, host_peak_gib()], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, the largest peaks
     value = loss.detach().clone()
     if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
         dist.all_reduce(value, group=group)
@@ -214,18 +227,19 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     grads = {n: g.cpu() for n, g in grads.items()}
     model.zero_grad(set_to_none=True)
     return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
-            "loss": value.item(), "grads": grads}
+            "host_gib": stats[2].item(), "host_rss_gib": stats[3].item(), "loss": value.item(), "grads": grads}
 
 
-def predicted_gib(model: nn.Module, variant: str, tokens: int, world: int) -> float:
-    """``tiledmlp.plan_memory``'s device peak per rank (GiB) for a tiled variant as configured (the plan models
-    tiledmlp's Ulysses attention; under torch's ring, ``ring+tiled...``, it plans the rank's local tokens only, which
-    this column is there to check); NaN for the others: the untiled model, the ALST stack, DeepSpeed's exchanges
-    (``+dsx``) and the untiled ring."""
+def predicted(model: nn.Module, variant: str, tokens: int, world: int) -> dict[str, Any]:
+    """``tiledmlp.plan_memory``'s device peak per rank (GiB) and placement for a tiled variant as configured (its
+    budgets under ``offload="auto"``, else none; the plan models tiledmlp's Ulysses attention; under torch's ring,
+    ``ring+tiled...``, it plans the rank's local tokens only, which this column is there to check); NaN for the
+    others: the untiled model, the ALST stack, DeepSpeed's exchanges (``+dsx``) and the untiled ring."""
     if not variant.removeprefix("ring+").startswith("tiled") or variant.endswith("+dsx"):
-        return math.nan
-    return tiledmlp.plan_memory(model, tokens, sequence_parallel=world, gpu_mib=1 << 30,
-                                host_mib=1 << 30).gpu_peak_bytes / 2**30
+        return {"predicted_gib": math.nan, "placement": ""}
+    unbounded = {} if "auto" in variant.split("+") else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}
+    plan = tiledmlp.plan_memory(model, tokens, sequence_parallel=world, **unbounded)
+    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "placement": plan.placed()}
 
 
 def grad_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -243,6 +257,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shard", choices=("none", "fsdp2"), default="none",
                         help="fsdp2: the weights sharded over the ranks (a unit per decoder layer and the root)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
+    parser.add_argument("--gpu-mib", type=float, default=None,
+                        help="the device budget per rank of the auto variant (default: what each rank may use)")
+    parser.add_argument("--host-mib", type=float, default=None,
+                        help="the host budget per rank of the auto variant (default: each rank's share of the host)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="GPUs: record rank 0's step and write what was alive at its peak, per local token "
                              "(profile_layer_memory_sp_*.csv/.md beside the results; slower)")
@@ -303,7 +321,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
     def save(rows: list[dict[str, Any]], show: bool) -> list[dict[str, Any]]:
         return save_results("bench_sp", rows, device, args, COLUMNS,
-                            ("variant", "T", "world", "peak_gib", "predicted_gib", "step_s", "loss", "grad_rel"),
+                            ("variant", "T", "world", "peak_gib", "predicted_gib", "host_gib", "step_s", "loss",
+                             "grad_rel"),
                             ("transformers", "deepspeed", "tiledmlp"), show=show)
 
     # A rank out of memory inside a step leaves the others blocked in a collective: every row's outcome is agreed
@@ -312,8 +331,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     out_of_memory = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grad_rel": math.nan}
     for tokens in args.seq_lens:
         for variant in args.variants:
-            configure(model, variant)
-            row = {"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"]}
+            configure(model, variant, args.gpu_mib, args.host_mib)
+            budgets = ({"gpu_mib": args.gpu_mib, "host_mib": args.host_mib} if "auto" in variant.split("+")
+                       else {})  # the budgets of offload="auto", where given (else what each rank may use)
+            row = {"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"],
+                   **budgets}
 
             def stuck(why: str) -> None:
                 print(f"  T={tokens:>8} {variant:<20} out of memory: {why}; ending the run", flush=True)
@@ -331,12 +353,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 if variant == "untiled" or tokens not in reference:  # else the first variant that ran
                     reference[tokens] = grads
                 result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
-                rows.append({**row, **result, "predicted_gib": predicted_gib(model, variant, tokens, world)})
+                rows.append({**row, **result, **predicted(model, variant, tokens, world)})
             if dist.get_rank() == 0:
                 last = rows[-1]
                 print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(last['peak_gib'])} "
-                      f"predicted_gib={fmt(last.get('predicted_gib', math.nan))} step_s={fmt(last['step_s'])}"
-                      f" grad_rel={fmt(last['grad_rel'])}", flush=True)
+                      f"predicted_gib={fmt(last.get('predicted_gib', math.nan))} "
+                      f"host_gib={fmt(last.get('host_gib', math.nan))} step_s={fmt(last['step_s'])} "
+                      f"grad_rel={fmt(last['grad_rel'])} {last.get('placement', '')}", flush=True)
                 save(rows, show=False)  # every row on disk as it comes: a run cut short keeps what it measured
     if dist.get_rank() == 0:
         rows = save(rows, show=True)
