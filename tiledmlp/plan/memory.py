@@ -22,7 +22,7 @@ the recompute reuses the kept output and holds, besides q/k/v and that output, t
 output projection's contiguous input, its output, the residual and the MLP's output (six hidden vectors), and RoPE's
 cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the backward. Profiled on an H200
 (``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
-this model's 46.13); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
+this model's 46.12); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
 
 The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
 host holds the offloaded inputs in pinned buffers.
