@@ -73,7 +73,7 @@ def test_the_model_meets_every_measured_peak_within_3_percent():
         assert peak.host_bytes == places.count(HOST) * tokens * model.config.hidden_size * 2  # each input, pinned
         if row.get("host_gib"):  # measured since 0.4.0: the bytes the offloader moved per step
             assert abs(float(row["host_gib"]) * 2**30 - peak.host_bytes) <= 2**20, row
-    # the issue asks for 5%; every row is within 3% since the recompute of a layer keeping its attention output
+    # the promise is 5%; every row is within 3% since the recompute of a layer keeping its attention output
     # has its own term (the 8-layer 640K row was 3.4% low without it)
     assert max(abs(e[-1]) for e in errors) <= 0.03, errors
 
