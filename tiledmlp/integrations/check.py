@@ -162,7 +162,8 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
     if seq_len:
         with torch.device("meta"):
             full = _checkpointed(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
-        planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "scratch_mib") if k in options}
+        planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "scratch_mib", "projections")
+                   if k in options}
         plan = plan_memory(full, seq_len, gpu_mib=options.get("gpu_mib"), host_mib=options.get("host_mib"), **planned)
         lines.append(str(plan))
     return "\n".join(lines)

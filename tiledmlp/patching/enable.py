@@ -199,7 +199,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     install(model, states)
     install_follower(model, plan_options)
     step = StepOptions(loss=loss_options is not None, norms=norms, attention=attention, offload=offload,
-                       scratch_mib=policy.scratch_mib,
+                       scratch_mib=policy.scratch_mib, projections=projections,
                        **({"loss_scratch_bytes": int(loss_options.scratch_mib * 2**20)}
                           if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
     model.__dict__[OPTIONS_ATTR] = step
@@ -219,7 +219,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
 def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: dict[str, Any]) -> Optional[bool]:
     """``seq_len=T``: fill in the memory options not given from the plan for that length (``tiledmlp.plan``), said
     once; returns ``loss``. ValueError, naming the longest length that fits, when nothing does."""
-    given = {k: options[k] for k in ("norms", "attention", "offload") if k in options}
+    given = {k: options[k] for k in ("norms", "attention", "offload", "projections") if k in options}
     if loss is not None:
         given["loss"] = loss
     chosen, plan, turned_on = options_for_length(model, seq_len, given, options.get("gpu_mib"),

@@ -97,6 +97,9 @@ class StepOptions:
     gpu_mib: Optional[float] = None  # the budgets given to enable_tiling (None: what the process may use)
     host_mib: Optional[float] = None
     ulysses: int = 1  # the ranks of a Ulysses split (DeepSpeed's): with attention=True, tiledmlp.attention.ulysses
+    # projections=True (peft LoRA layers tiled outside the MLPs): their per-token copies are not modelled (not yet
+    # measured on this version), which the plan says rather than plan without them in silence
+    projections: bool = False
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:

@@ -28,8 +28,12 @@ log = logging.getLogger("tiledmlp")
 OPTIONS_ATTR = "_tiledmlp_step_options"
 GPU_MARGIN = (1 << 30, 0.03)  # left free on the device: the larger of 1 GiB and 3% (CUDA workspaces, fragmentation)
 HOST_MARGIN = 2 << 30  # left free on the host for everything else
-#: the enable_tiling options plan_memory models (not yet: projections=True, whose LoRA copies add per-token terms)
-PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib", "scratch_mib")
+#: the enable_tiling options plan_memory takes; ``projections`` only to say that its terms are not modelled (its LoRA
+#: copies add per-token terms not measured on this version: the plan may be low, and says so)
+PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib", "scratch_mib", "projections")
+UNMODELLED_PROJECTIONS = ("projections=True: the LoRA projections' per-token copies (their inputs, cast or not) are "
+                          "not in this plan, so the device peak may be higher than planned; with offload='auto' give "
+                          "gpu_mib with room to spare, or use offload='cpu'")
 _LONGEST = 1 << 26  # local tokens: the longest length searched
 _GRAIN = 1024  # longest lengths are multiples of this many local tokens
 
@@ -85,6 +89,8 @@ class MemoryPlan:
                  f"  device peak {_gib(self.gpu_peak_bytes)} {self.peak.moment} "
                  f"(budget {_gib(self.gpu_budget_bytes)}); "
                  f"host {_gib(self.host_peak_bytes)} pinned (budget {_gib(self.host_budget_bytes)})"]
+        if o.projections:
+            lines.append(f"  not modelled: {UNMODELLED_PROJECTIONS}")
         width = max(len(t.name) for t in self.peak.terms)
         lines += [f"    {t.where:<4}  {t.name:<{width}}  {_gib(t.nbytes):>11}  {t.note}".rstrip()
                   for t in self.peak.terms]
@@ -105,6 +111,7 @@ def step_options(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
                    attention=bool(options.get("attention", tiled.attention)),
                    offload=options.get("offload", tiled.offload),
                    scratch_mib=options.get("scratch_mib", tiled.scratch_mib),
+                   projections=bool(options.get("projections", tiled.projections)),
                    **({"loss_scratch_bytes": int(scratch_mib * 2**20)} if scratch_mib else {}))
     if step.offload not in (None, "cpu", "auto"):
         raise ValueError(f"offload={step.offload!r}: plan_memory plans offload=None, 'cpu' or 'auto'")
@@ -180,6 +187,8 @@ def _plan(shape: ModelShape, options: StepOptions, seq_len: int, batch_size: int
           host: Optional[int]) -> MemoryPlan:
     tokens = seq_len * batch_size // split
     options = replace(options, ulysses=split if options.ulysses > 1 else 1)
+    if options.projections:
+        warn_once(("plan without projections",), "plan_memory: %s", UNMODELLED_PROJECTIONS)
     (places, keeps), peak = place(shape, options, tokens, gpu, host)
     longest = longest_tokens(shape, options, gpu, host) * split // batch_size
     return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest)
@@ -192,15 +201,16 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     wrapped, tiled or not) for ``batch_size`` sequences of ``seq_len`` tokens, split over ``sequence_parallel``
     ranks (DeepSpeed's Ulysses, whose attention ``attention=True`` computes with ``tiledmlp.attention.ulysses``; a
     model split by torch's ring, ``split_of`` ``"cp"``, is planned by its local tokens only, a projection no
-    measurement checked): per rank, the device and host peaks and their terms, the placement of each checkpointed layer's input
-    (``offload="auto"``: kept, host or recomputed, see ``tiledmlp.plan.memory``), whether it fits ``gpu_mib`` /
-    ``host_mib`` (default: those ``model`` was tiled with, else what this process may use now) and the longest
-    length that does; under ``offload="auto"``, which layers keep their attention output for the recompute with
-    what the device budget has left (``tiledmlp.plan.memory``, design note "free memory spent on speed").
+    measurement checked): per rank, the device and host peaks and their terms, the placement of each checkpointed
+    layer's input (``offload="auto"``: kept, host or recomputed, see ``tiledmlp.plan.memory``), whether it fits
+    ``gpu_mib`` / ``host_mib`` (default: those ``model`` was tiled with, else what this process may use now) and the
+    longest length that does; under ``offload="auto"``, which layers keep their attention output for the recompute
+    with what the device budget has left (``tiledmlp.plan.memory``, design note "free memory spent on speed").
 
     ``options``: ``enable_tiling``'s (``loss``, ``norms``, ``attention``, ``offload``, ``loss_scratch_mib``,
-    ``scratch_mib``); those left out are the ones ``model`` was tiled with, else the defaults. ``optimizer``: count
-    its states. Runs nothing on the model; costs no communication."""
+    ``scratch_mib``, ``projections``); those left out are the ones ``model`` was tiled with, else the defaults.
+    ``projections=True``'s LoRA copies are not modelled: such a plan says so in its table and in a warning, once.
+    ``optimizer``: count its states. Runs nothing on the model; costs no communication."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int (tokens per sequence), got {seq_len!r}")
     if batch_size < 1 or sequence_parallel < 1 or seq_len * batch_size % sequence_parallel:
@@ -253,7 +263,8 @@ def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gp
     fewest of :data:`ESCALATION` with which the plan fits the budgets. Returns them, their plan, and what was turned
     on. ValueError, with the longest length that fits and what else would help, when nothing fits."""
     chosen = {"loss": given.get("loss") is not False, "norms": given.get("norms", False),
-              "attention": given.get("attention", False), "offload": given.get("offload")}
+              "attention": given.get("attention", False), "offload": given.get("offload"),
+              "projections": given.get("projections", False)}
     plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
     turned_on = []
     for key, value in ESCALATION:

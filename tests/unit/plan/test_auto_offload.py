@@ -160,3 +160,24 @@ def test_ranks_on_one_host_share_its_memory(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert plans.budgets(model)[1] == 8 << 30
     assert plans.budgets(model, host_mib=1024)[1] == 1 << 30  # a given budget stands
+
+
+def test_a_plan_with_projections_says_it_does_not_model_them(caplog):
+    """``projections=True`` (peft LoRA layers tiled outside the MLPs) adds per-token copies the plan does not model:
+    a plan of a model tiled with it, or asked for it, says so in its table and in one warning, never silently; the
+    same plan without it says nothing."""
+    from tiledmlp.core import logs
+
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    logs._SAID.clear()
+    quiet = tiledmlp.plan_memory(model, 1024, gpu_mib=64, host_mib=64)
+    assert not quiet.options.projections and "not modelled" not in quiet.table()
+    tiledmlp.enable_tiling(model, projections=True, offload="auto", gpu_mib=64, host_mib=64)
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        plans = [tiledmlp.plan_memory(model, tokens, gpu_mib=64, host_mib=64) for tokens in (1024, 2048)]
+        asked = tiledmlp.plan_memory(llama(), 1024, projections=True, gpu_mib=64, host_mib=64)
+    assert all(p.options.projections for p in [*plans, asked])
+    assert all("not modelled: projections=True" in p.table() for p in [*plans, asked])
+    assert caplog.text.count("LoRA projections' per-token copies") == 1, caplog.text
+    assert "not modelled: projections=True" in str(tiledmlp.describe(model, 1024))
