@@ -74,7 +74,8 @@ VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+
             "loss+norms+auto+attn", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
-           "host_rss_gib", "placement", "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name", "torch", "triton", "transformers", "liger", "tiledmlp", "date")
+           "host_rss_gib", "placement", "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name",
+           "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}

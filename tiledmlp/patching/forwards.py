@@ -89,6 +89,11 @@ def _children_with_hooks(module: nn.Module) -> list[str]:
             if name and any(len(getattr(m, table, None) or ()) for table in HOOK_TABLES)]
 
 
+def _hooked_children(module: nn.Module) -> list[str]:
+    """``hooked_children`` (hooks a fast form would skip), asked only where :func:`_children_with_hooks` finds any."""
+    return hooked_children(module) if _children_with_hooks(module) else []
+
+
 def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
@@ -253,8 +258,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         warn_once(("extra arguments", state.spec.name), "%s: called with extra arguments (%s); the fast %s form "
                   "computes forward(x) only, so these calls take the slower generic form", state.spec.name,
                   ", ".join(map(str, kwargs)) or "positional", state.kind)
-    hooked = (hooked_children(module) if fast and state.spec.layout is not None and _children_with_hooks(module)
-              else [])
+    hooked = _hooked_children(module) if fast and state.spec.layout is not None else []
     if hooked:  # registered after enable_tiling: the fast form would skip them
         fast = False
         state.fallback = f"hooks on {', '.join(hooked)}: calls take the generic form"
@@ -302,7 +306,7 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
         return original(*args, **kwargs)
     if state.kind != Kind.MOE:  # planned again as another form: its own call
         return _tiled_forward(module, *args, **kwargs)
-    hooked = hooked_children(module) if _children_with_hooks(module) else []
+    hooked = _hooked_children(module)
     if hooked:
         warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "
                   "call the children, so these calls run the experts untiled", state.spec.name, ", ".join(hooked))
