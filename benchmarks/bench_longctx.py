@@ -30,6 +30,15 @@ Variants (the same model object, re-configured between them):
                   hidden states and labels), MLPs untiled.
 * ``mlp+liger``   tiled MLPs and Liger's fused linear cross-entropy.
 
+``--optimizer`` (``benchmarks/optimizer_step.py``): each variant with each optimizer given (``none``: forward +
+backward only; ``adamw``, torch's fused AdamW as the Trainer builds it; ``adamw-foreach``; ``adamw8bit``; a placement
+after a colon: ``adamw:backward``, ``adamw:host``, ``adamw:auto``); a step is then forward, backward,
+``optimizer.step()`` and ``zero_grad()``, all of it timed and in the peak. ``--scale-to N``: the model has
+``--layers`` of the shape's N layers, and ``--gpu-mib`` / ``--host-mib`` (default: what the process may use) are the
+whole N-layer model's budgets, scaled to the layers run (the missing layers' weights and optimizer states off the
+device budget; the host budget's share for layer inputs scaled by layers / N, plus the run's optimizer host bytes);
+``projected_gib`` / ``projected_host_gib`` then add the missing layers' bytes back to the measured peaks.
+
 Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included; ``predicted_gib`` is
 ``tiledmlp.plan_memory``'s device peak for the variant (tiled variants), ``host_gib`` the layer inputs one step
 offloaded to host memory, ``predicted_host_gib`` the plan's host peak, ``host_rss_gib`` the process's peak resident
@@ -41,6 +50,10 @@ one step, timed (a 512K-token step takes minutes); ``--warmup-steps`` untimed st
     python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432  # does 768K fit?
     python3 benchmarks/bench_longctx.py --variants loss,loss+offload --seq-lens 1048576 --layers 4
     python3 benchmarks/bench_longctx.py --model 8b --layers 4 --attn flex_attention --packed --seq-lens 131072
+    python3 benchmarks/bench_longctx.py --model 8b --layers 2 --optimizer adamw,adamw-foreach,adamw8bit \
+        --variants loss+norms+offload+attn --seq-lens 65536,131072,262144   # the plan's optimizer terms
+    python3 benchmarks/bench_longctx.py --model 8b --layers 2 --scale-to 32 --optimizer adamw:auto \
+        --variants loss+norms+auto+attn --seq-lens 1200128 --steps 2 --warmup-steps 0   # a scaled training step
     python3 benchmarks/bench_longctx.py --smoke                           # tiny model on a CPU
 """
 
@@ -50,9 +63,7 @@ import argparse
 import datetime
 import gc
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,15 +78,22 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
+from optimizer_step import NONE, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
+from optimizer_step import sync  # noqa: E402, F401 (other benchmarks import it from here)
+from tiledmlp.optimizers.spec import spec_named  # noqa: E402
+from tiledmlp.plan.optimizer import optimizer_memory  # noqa: E402
+from tiledmlp.plan.plans import budgets  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
             "loss+norms+auto+attn", "liger", "mlp+liger")
 LIGER = {"liger", "mlp+liger"}
-COLUMNS = ("variant", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
-           "host_rss_gib", "placement", "step_s", "tokens_per_s", "steps", "loss", "gpu_mib", "host_mib", "gpu_name",
-           "torch", "triton", "transformers", "liger", "tiledmlp", "date")
+COLUMNS = ("variant", "optimizer", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib",
+           "predicted_host_gib", "host_rss_gib", "placement", "optimizer_placement", "step_s", "optimizer_s",
+           "tokens_per_s", "steps", "loss", "losses", "gpu_mib", "host_mib", "scale_to", "projected_gib",
+           "full_plan_gib", "full_plan_host_gib", "full_placement", "full_longest", "gpu_name", "torch", "triton",
+           "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -100,18 +118,27 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
     return model
 
 
-def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None,
-              host_mib: Optional[float] = None) -> None:
+def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None, host_mib: Optional[float] = None,
+              optimizer: str = NONE, tokens: Optional[int] = None) -> None:
     """Tiling as the variant's parts say: ``mlp`` or ``loss`` (MLPs, and the loss), ``norms``, ``offload``
     (every layer input on the host) or ``auto`` (placed by the memory plan within ``gpu_mib`` / ``host_mib``),
-    ``proj`` (LoRA-adapted projections), ``attn`` (the attention core's backward in KV-head groups)."""
+    ``proj`` (LoRA-adapted projections), ``attn`` (the attention core's backward in KV-head groups); the memory plan
+    counts ``optimizer`` (``optimizer_step``), placed where it says or, for ``name:auto``, where the plan of
+    ``tokens`` puts it within the budgets."""
     tiledmlp.disable_tiling(model)
     parts = set(variant.split("+"))
     if parts & {"mlp", "loss"}:
         offload = "cpu" if "offload" in parts else "auto" if "auto" in parts else None
         budgets = {"gpu_mib": gpu_mib, "host_mib": host_mib} if offload == "auto" else {}
-        tiledmlp.enable_tiling(model, loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
-                               attention="attn" in parts, offload=offload, **budgets)
+        options = dict(loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
+                       attention="attn" in parts, offload=offload, **budgets)
+        if optimizer != NONE:
+            name, placement = split(optimizer)
+            if placement is None:
+                placement = tiledmlp.plan_memory(model, tokens, optimizer=name, **{"gpu_mib": gpu_mib,
+                                                 "host_mib": host_mib, **options}).optimizer.spec.placement
+            options.update(optimizer=name, optimizer_placement=placement)
+        tiledmlp.enable_tiling(model, **options)
 
 
 def document_lengths(tokens: int, seed: int, shortest: int, longest: int) -> list[int]:
@@ -151,11 +178,6 @@ def loss_of(model: nn.Module, variant: str, batch: dict[str, torch.Tensor]) -> t
     return LigerFusedLinearCrossEntropyLoss()(model.lm_head.weight, shifted, batch["labels"][:, 1:].reshape(-1))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_host_peak() -> None:
     """Start the process's peak resident memory (``VmHWM``) afresh (Linux; elsewhere nothing)."""
     try:
@@ -180,54 +202,87 @@ def free(model: nn.Module, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch.device) -> dict[str, Any]:
+def layer_bytes(layer: nn.Module, placement: str, name: str) -> int:
+    """What one decoder layer adds to the device during a step: its weights, its optimizer states on the device
+    (``name`` at ``placement``) and, where the optimizer steps after backward, its gradients."""
+    spec = spec_named(name, placement) if name != NONE else None
+    params = list(layer.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    states = sum(spec.device_state_bytes(p.numel(), p.element_size()) for p in params) if spec else 0
+    return weights + states + (weights if spec is None or spec.placement == "gpu" else 0)
+
+
+def scaled(model: nn.Module, variant: str, tokens: int, args, optimizer_choice: str) -> dict[str, Any]:
+    """``--scale-to N``: the budgets of this ``--layers``-layer run that give it the whole N-layer model's share
+    (module docstring), the optimizer placement the whole model's plan takes at ``tokens`` (for ``name:auto``), and
+    that plan's peaks (the projection this run checks)."""
+    size = {**(SMOKE if args.smoke else MODELS[args.model]), "layers": args.scale_to}
+    whole = build_model(size, tokens, torch.device("meta"), next(model.parameters()).dtype, args.attn)
+    run_layers, missing = len(model.model.layers), args.scale_to - len(model.model.layers)
+    gpu, host = (budget if budget is not None else 1 << 50 for budget in budgets(model, args.gpu_mib, args.host_mib))
+    name, placement = split(optimizer_choice) if optimizer_choice != NONE else (NONE, "gpu")
+    configure(whole, variant, gpu / 2**20, host / 2**20, optimizer_choice, tokens)
+    plan = tiledmlp.plan_memory(whole, tokens)
+    placement = plan.optimizer.spec.placement if plan.optimizer.spec is not None else placement
+    runs = f"{name}:{placement}" if name != NONE else NONE
+    added = missing * layer_bytes(model.model.layers[0], placement, name)
+    mine = optimizer_memory(model, name, placement).host_bytes if name != NONE else 0
+    inputs_host = host - plan.optimizer.host_bytes  # what the whole model's inputs may take of the host
+    return {"gpu_mib": (gpu - added) / 2**20, "host_mib": (inputs_host * run_layers / args.scale_to + mine) / 2**20,
+            "optimizer_choice": runs, "added": added, "full_plan_gib": plan.gpu_peak_bytes / 2**30,
+            "full_plan_host_gib": plan.host_peak_bytes / 2**30, "full_placement": plan.placed(),
+            "full_longest": plan.longest_seq_len, "scale_to": args.scale_to}
+
+
+def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch.device,
+                optimizer_choice: str = NONE) -> dict[str, Any]:
     gpu_mib, host_mib = getattr(args, "gpu_mib", None), getattr(args, "host_mib", None)
-    configure(model, variant, gpu_mib, host_mib)
+    scale = scaled(model, variant, tokens, args, optimizer_choice) if getattr(args, "scale_to", None) else {}
+    if scale:
+        gpu_mib, host_mib, optimizer_choice = scale["gpu_mib"], scale["host_mib"], scale.pop("optimizer_choice")
+    configure(model, variant, gpu_mib, host_mib, optimizer_choice, tokens)
     packed = getattr(args, "packed", False)
     batch = batch_of(model.config.vocab_size, tokens, packed, device)
     steps = args.steps if tokens <= args.multi_step_max else 1
     free(model, device)
+    optimizer = optimizer_for(model, optimizer_choice)
     reset_host_peak()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, loss = [], math.nan
     offloaded_before = offloader_for(device).stats["offloaded_bytes"]
     warmup = getattr(args, "warmup_steps", None)
     warmup = (1 if steps > 1 else 0) if warmup is None else warmup
-    for i in range(warmup + steps):  # untimed first steps (default: one when several are timed)
-        model.zero_grad(set_to_none=True)
-        sync(device)
-        begin = time.perf_counter()
-        value = loss_of(model, variant, batch)
-        value.backward()
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - begin)
-        loss = float(value)
-        del value
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    step_s = statistics.median(times)
+    try:  # untimed first steps (default: one when several are timed)
+        timed = training_steps(model, optimizer, lambda: loss_of(model, variant, batch), warmup, steps, device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+        plan = predicted(model, variant, tokens, optimizer)
+    finally:
+        del optimizer  # its states go with it, before the next row
     offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (warmup + steps)
     documents = int((batch["position_ids"] == 0).sum()) if packed else 1
-    return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, "step_s": step_s,
-            "tokens_per_s": tokens / step_s, "steps": len(times), "loss": loss,
-            "host_gib": offloaded / 2**30, "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib,
-            **predicted(model, variant, tokens)}
+    projected = {"projected_gib": peak + scale.pop("added") / 2**30} if scale else {}
+    return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, **timed,
+            "tokens_per_s": tokens / timed["step_s"], "steps": steps, "host_gib": offloaded / 2**30,
+            "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib, **plan, **scale, **projected}
 
 
-def predicted(model: nn.Module, variant: str, tokens: int) -> dict[str, Any]:
+def predicted(model: nn.Module, variant: str, tokens: int,
+              optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """The memory plan's device and host peaks (GiB) and placement for a tiled variant, as configured (its budgets
-    under ``offload="auto"``, else none); NaN for the others (the plan models tiled MLPs)."""
+    under ``offload="auto"``, else none) with ``optimizer`` (the object: where it is, what it is); NaN for the others
+    (the plan models tiled MLPs)."""
     if variant in LIGER or not set(variant.split("+")) & {"mlp", "loss"}:
-        return {"predicted_gib": math.nan, "predicted_host_gib": math.nan, "placement": ""}
+        return {"predicted_gib": math.nan, "predicted_host_gib": math.nan, "placement": "", "optimizer_placement": ""}
     unbounded = {} if "auto" in variant.split("+") else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}
-    plan = tiledmlp.plan_memory(model, tokens, **unbounded)
+    plan = tiledmlp.plan_memory(model, tokens, optimizer=optimizer, **unbounded)
+    spec = plan.optimizer.spec
     return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "predicted_host_gib": plan.host_peak_bytes / 2**30,
-            "placement": plan.placed()}
+            "placement": plan.placed(), "optimizer_placement": spec.placement if spec is not None else ""}
 
 
-def run_or_record(model, variant, tokens, args, device) -> dict[str, Any]:
-    row = run_or_status(lambda: run_variant(model, variant, tokens, args, device), lambda: free(model, device),
+def run_or_record(model, variant, tokens, args, device, optimizer_choice: str = NONE) -> dict[str, Any]:
+    row = run_or_status(lambda: run_variant(model, variant, tokens, args, device, optimizer_choice),
+                        lambda: free(model, device),
                         ("peak_gib", "predicted_gib", "host_gib", "predicted_host_gib", "host_rss_gib", "placement",
                          "step_s", "tokens_per_s", "steps", "loss"))
     return {**row, "steps": 0} if isinstance(row["step_s"], str) else row
@@ -266,8 +321,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the attention implementation (default sdpa)")
     parser.add_argument("--packed", action="store_true",
                         help="documents of mixed lengths packed into the row (position_ids restart per document)")
+    parser.add_argument("--optimizer", default=NONE,
+                        help="comma-separated optimizers, each variant runs with each (optimizer_step.py; default "
+                             "none: forward + backward only)")
+    parser.add_argument("--scale-to", type=int, default=None,
+                        help="the whole model's layers: --layers of them run within their share of the budgets")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
     args = parser.parse_args(argv)
+    args.optimizer = parse_optimizers(args.optimizer)
     if args.seq_lens is None:
         args.seq_lens = "64,128" if args.smoke else "16384,32768,65536,131072"
     args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
@@ -289,29 +350,31 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     shape = MODEL_NAMES[args.model]
     print(f"{gpu_name(device)}: {shape}-shaped model, {size['layers']} layers, {dtype}, {args.attn}"
           f"{', packed documents' if args.packed else ''}, variants {variants}", flush=True)
-    rows = []
-    for tokens in args.seq_lens:
-        for variant in variants:
-            row = {"variant": variant, "T": tokens, **run_or_record(model, variant, tokens, args, device)}
-            rows.append(row)
-            print(f"  T={tokens:>7} {variant:<12} peak_gib={fmt(row['peak_gib'])} (plan {fmt(row['predicted_gib'])}) "
-                  f"host_gib={fmt(row['host_gib'])} (plan {fmt(row['predicted_host_gib'])}, rss "
-                  f"{fmt(row['host_rss_gib'])}) {row['placement']} step_s={fmt(row['step_s'])} "
-                  f"tokens_per_s={fmt(row['tokens_per_s'])} loss={fmt(row['loss'])}", flush=True)
     meta = {"gpu_name": gpu_name(device), "torch": torch.__version__,
             **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    rows = [{**meta, **row} for row in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = (f"bench_longctx_{gpu_slug(device)}" + ("" if args.model == "1b" else f"_{args.model}")
             + ("_packed" if args.packed else "") + (f"_{args.tag}" if args.tag else "")
             + ("_smoke" if args.smoke else ""))
-    write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)
+    rows = []
+    for tokens in args.seq_lens:
+        for variant in variants:
+            for choice in args.optimizer:
+                row = {**meta, "variant": variant, "optimizer": choice, "T": tokens,
+                       **run_or_record(model, variant, tokens, args, device, choice)}
+                rows.append(row)
+                write_csv_rows(args.out / f"{stem}.csv", rows, COLUMNS)  # after every row: a run cut short keeps them
+                print(f"  T={tokens:>7} {variant:<12} {choice:<14} peak_gib={fmt(row['peak_gib'])} (plan "
+                      f"{fmt(row['predicted_gib'])}) host_gib={fmt(row['host_gib'])} (plan "
+                      f"{fmt(row['predicted_host_gib'])}, rss {fmt(row['host_rss_gib'])}) {row['placement']} "
+                      f"step_s={fmt(row['step_s'])} optimizer_s={fmt(row.get('optimizer_s', math.nan))} "
+                      f"losses={row.get('losses', '')}", flush=True)
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     write_plot(args.out / f"{stem}.png", rows, f"{gpu_name(device)} - {shape}-shaped training step "
                                                 f"({size['layers']} layers), bf16, checkpointed layers", capacity)
-    print_rows(rows, ("variant", "T", "documents", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
-                      "host_rss_gib", "step_s", "tokens_per_s", "loss"))
+    print_rows(rows, ("variant", "optimizer", "T", "peak_gib", "predicted_gib", "host_gib", "predicted_host_gib",
+                      "host_rss_gib", "step_s", "optimizer_s", "loss"))
     print(f"wrote {args.out / stem}.csv and .png")
     return rows
 

@@ -2,7 +2,8 @@
 # Every single-GPU benchmark behind docs/benchmarks.md and docs/sharding.md, in one call on a GPU box
 # without network (carry the wheels in .whl/, see benchmarks/README.md). Results land in
 # benchmarks/results/ and, when $OUT is set (the device tool), are copied there too.
-#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|decode|compile|longctx|longctx-max]
+#   benchmarks/run_gpu.sh [all|mlp|styles|tiles|moe|checkpoint|accum|gemms|paired|loss|decode|compile|longctx|longctx-max|
+#                          optimizer-plan|optimizer-scaled|optimizer-80g|optimizer-32l]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -34,4 +35,19 @@ run compile && python3 benchmarks/bench_mlp.py --providers eager,eager_compiled,
 # 128K tokens and beyond: one timed step per variant (a 128K step takes seconds, a 512K one minutes)
 run longctx && python3 benchmarks/bench_longctx.py --multi-step-max 65536
 run longctx-max && python3 benchmarks/bench_longctx.py --variants loss --seq-lens 786432 --tag max
+# Training steps (the optimizer in them): the plan's optimizer terms, 2 layers of each shape, every kind and placement
+optimizer_rows=(--layers 2 --variants loss+norms+offload+attn --seq-lens 16384,65536,131072 --tag optim_2l
+                --optimizer adamw,adamw-foreach,adamw8bit,adamw:backward,adamw:host)
+run optimizer-plan && python3 benchmarks/bench_longctx.py --model 8b "${optimizer_rows[@]}" \
+    && python3 benchmarks/bench_longctx.py --model 1b "${optimizer_rows[@]}"
+# Llama-3.1-8B full fine-tuning with AdamW where the plan places it: 2 of 32 layers within their share of the box's
+# budgets (--scale-to 32), two whole steps on one batch; then within an 80 GiB device budget
+scaled=(--model 8b --layers 2 --scale-to 32 --variants loss+norms+auto+attn --optimizer adamw:auto --steps 2
+        --warmup-steps 0 --multi-step-max 4194304)
+run optimizer-scaled && python3 benchmarks/bench_longctx.py "${scaled[@]}" --seq-lens 1200128 --tag scaled_2l_1200k
+run optimizer-80g && python3 benchmarks/bench_longctx.py "${scaled[@]}" --seq-lens 819200 --gpu-mib 81920 \
+    --tag scaled_2l_80g
+# 131,072 tokens at full depth with torch's fused AdamW on the device, tiledmlp against Liger's fused cross-entropy
+run optimizer-32l && python3 benchmarks/bench_longctx.py --model 8b --variants loss+norms+auto+attn,liger \
+    --optimizer adamw --seq-lens 131072 --tag 32l_128k_adamw
 if [[ -n ${OUT:-} ]]; then find benchmarks/results -type f -newer "$started" -exec cp {} "$OUT"/ \;; fi

@@ -20,6 +20,8 @@ Public API:
 * :func:`plan_memory` — one training step's device and host memory for a length, term by term, the placement of
   each checkpointed layer's input (``enable_tiling(model, offload="auto")`` follows it) and the longest length that
   fits.
+* :func:`make_optimizer` — the optimizer a plan counted, built where it placed it: on the device, stepped in backward
+  (:func:`step_in_backward`: each gradient freed once used), or on the host (torchao).
 * :func:`register_mlp` — make a custom per-token module type recognizable.
 * :class:`ShardPolicy`, :func:`auto_num_shards` — how tokens are cut into shards.
 
@@ -38,6 +40,8 @@ map and follows one call through it):
 ``attention``   attention blocks with less memory per token (``attention=True``).
 ``offload``     checkpointed layer inputs in host memory (``offload="cpu"``).
 ``recognize``   what is tiled: MLPs by computation, MoE experts, norms, LoRA projections.
+``optimizers``  where an optimizer's memory lives: what it costs per parameter, its step fused into backward,
+                its states on the host.
 ``plan``        a step's memory per rank on the device and the host, and where each layer input waits.
 ``patching``    what ``enable_tiling`` does to a model: the call spec, per-module state, the plan, the installed
                 forwards, install and undo, the functional call, the report.
@@ -56,6 +60,8 @@ from .offload.checkpointing import checkpoint, offloaded_layers
 from .patching.describe import Description, TileInfo, describe
 from .patching.enable import disable_tiling, enable_tiling, tiled_modules
 from .patching.functional import apply_tiled_mlp
+from .patching.optimizer import make_optimizer
+from .optimizers import step_in_backward
 from .recognize.modules import register_mlp
 from .plan import MemoryPlan, plan_memory
 
@@ -78,6 +84,8 @@ __all__ = [
     "register_mlp",
     "plan_memory",
     "MemoryPlan",
+    "make_optimizer",
+    "step_in_backward",
     "ShardPolicy",
     "auto_num_shards",
     "STRATEGY_NAMES",

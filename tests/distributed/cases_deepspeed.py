@@ -93,10 +93,22 @@ def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
 
 
+def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """AdamW whose ``eps`` keeps its update Lipschitz in the gradient: with the default 1e-8, an element whose gradient
+    is a rounding residue in one run and exactly 0 in the other moves by up to ``lr`` in one of them, which is Adam's
+    arithmetic, not a difference of the runs (param_rel 1.5e-4 for the same runs without offload)."""
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-3)
+
+
 def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches: list[list[Batch]],
           loss_of: Callable[[Any, Batch], torch.Tensor], tiled: bool,
           tile: Callable[[nn.Module], None] = enable(tile_tokens=16), tile_before: bool = False,
-          freeze: Callable[[nn.Module], None] = lambda m: None) -> tuple[Run, GatherCounter]:
+          freeze: Callable[[nn.Module], None] = lambda m: None,
+          optimizer_of: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = sgd) -> tuple[Run, GatherCounter]:
     """Build from seed 0, (tile,) ``deepspeed.initialize``, (tile,) and train over ``batches``."""
     gc.collect()
     torch.manual_seed(0)
@@ -104,7 +116,7 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
     freeze(model)
     if tiled and tile_before:
         tile(model)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    optimizer = optimizer_of([p for p in model.parameters() if p.requires_grad])
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     if tiled and not tile_before:
         tile(engine)
@@ -137,7 +149,8 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
 
 def untiled_vs_tiled(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches: list[list[Batch]],
                      loss_of: Callable[[Any, Batch], torch.Tensor] = hf_loss, **options: Any) -> dict[str, Any]:
-    ref, ref_gathers = train(env, build, cfg, batches, loss_of, tiled=False, freeze=options.get("freeze", lambda m: None))
+    untiled = {key: options[key] for key in ("freeze", "optimizer_of") if key in options}
+    ref, ref_gathers = train(env, build, cfg, batches, loss_of, tiled=False, **untiled)
     got, got_gathers = train(env, build, cfg, batches, loss_of, tiled=True, **options)
     metrics = compare(ref, got)
     metrics["gathers_untiled"] = ref_gathers.per_micro_batch
@@ -186,6 +199,26 @@ def zero3_apply_tiled_mlp(env: Env) -> dict[str, Any]:
     module (its children carry ZeRO-3 hooks)."""
     return untiled_vs_tiled(env, lambda: TinyLM(block=ApplyBlock), config(3, env, gas=2), token_batches(env, micro=2),
                             tiny_loss, tile=lambda engine: use_apply(engine))
+
+
+def _offloaded(env: Env, stage: int, **offload: Any) -> dict[str, Any]:
+    """ZeRO-Offload: the optimizer's fp32 master weights, states and step on the host (``offload_optimizer``; with
+    ZeRO-3 ``offload_param`` too), torch's AdamW there (``zero_force_ds_cpu_optimizer: False``: DeepSpeed's CPU Adam
+    would compile a C++ op), on the tiled loss and GLU MLPs of a Hugging Face Llama."""
+    cfg = {**config(stage, env, gas=2, offload_optimizer={"device": "cpu"}, **offload),
+           "zero_force_ds_cpu_optimizer": False}
+    return untiled_vs_tiled(env, llama(), cfg, hf_batches(env, HF_VOCAB, micro=2), optimizer_of=adamw,
+                            tile=lambda m: tiledmlp.enable_tiling(m, loss=True, tile_tokens=16))
+
+
+@case
+def zero2_offload_optimizer(env: Env) -> dict[str, Any]:
+    return _offloaded(env, 2)
+
+
+@case
+def zero3_offload_optimizer_and_params(env: Env) -> dict[str, Any]:
+    return _offloaded(env, 3, offload_param={"device": "cpu"})
 
 
 def freeze_embeddings(model: nn.Module) -> None:

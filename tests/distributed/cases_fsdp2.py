@@ -65,6 +65,16 @@ def fsdp2_layer_units(env: Env) -> dict[str, Any]:
 
 
 @case
+def fsdp2_cpu_offload_policy(env: Env) -> dict[str, Any]:
+    """FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer's step on the host
+    (the optimizer placement ``"host"`` of an FSDP2 model); AdamW, so the states follow the gradients exactly."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+    return untiled_vs_tiled(fsdp2_lm(env, Block, optimizer="adamw", offload_policy=policy), env)
+
+
+@case
 def fsdp2_mlp_units(env: Env) -> dict[str, Any]:
     """The tiled MLP is an FSDP unit itself: its hooks run around the tiled forward, never inside backward."""
     return untiled_vs_tiled(fsdp2_lm(env, GLUMLP), env)

@@ -25,6 +25,8 @@ STANDARD = {
     "zero2_hf_llama_loss_tied": "deepspeed",
     "zero3_hf_llama_frozen_embeddings": "deepspeed",
     "zero3_hf_mixtral": "deepspeed",
+    "zero2_offload_optimizer": "deepspeed",
+    "zero3_offload_optimizer_and_params": "deepspeed",
 }
 #: recomputing a module whose input needs no gradient reads frozen weights that the untiled backward,
 #: which kept the activations, does not gather again

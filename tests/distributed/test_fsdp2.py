@@ -15,6 +15,7 @@ pytestmark = pytest.mark.distributed
 #: case -> strategy every tiled MLP reports (None: apply_tiled_mlp, nothing patched)
 STANDARD = {
     "fsdp2_layer_units": "fsdp2",
+    "fsdp2_cpu_offload_policy": "fsdp2",
     "fsdp2_compiled_layer_units": "fsdp2",
     "fsdp2_mlp_units": "fsdp2",
     "fsdp2_root_only": "fsdp2",

@@ -432,3 +432,58 @@ def test_kept_attention_outputs_train_bit_for_bit_on_a_gpu():
         assert torch.equal(loss, loss_ref) and all(torch.equal(g, r) for g, r in zip(grads, grads_ref))
     modes = [m.__dict__["_tiledmlp_attention_mode"] for m in kept.modules() if "_tiledmlp_attention_mode" in m.__dict__]
     assert [(m.kept, m.reused) for m in modes] == [(2, 2)] * 3
+
+
+def _cuda_llama(layers: int = 2) -> torch.nn.Module:
+    from unit_helpers import checkpointed_llama
+
+    return checkpointed_llama(layers=layers).cuda()
+
+
+def _train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> list[torch.Tensor]:
+    from unit_helpers import batch
+
+    losses = []
+    for step in range(steps):
+        ids = batch(vocab=128, t=64 + step, seed=step).cuda()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().cpu())
+    return losses
+
+
+@pytest.mark.parametrize("placement", ["host", "backward"])
+def test_optimizer_placements_train_like_the_untiled_model_on_a_gpu(placement):
+    """torchao's CPUOffloadOptimizer (``"host"``: states, parameter and gradient copies on the host, the step on the
+    CPU) and the step fused into backward, on a tiled float32 model, against the untiled model with torch's fused
+    AdamW on the device: the same losses and parameters."""
+    if placement == "host":
+        pytest.importorskip("torchao")
+    untiled = _cuda_llama()
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(untiled), norms=True, attention=True, offload="cpu", tile_tokens=16)
+    want = _train_steps(untiled, torch.optim.AdamW(untiled.parameters(), lr=3e-3, weight_decay=0.1, fused=True))
+    optimizer = tiledmlp.make_optimizer(tiled, "adamw", placement, lr=3e-3, weight_decay=0.1)
+    if placement == "host":
+        assert type(optimizer).__name__ == "CPUOffloadOptimizer"
+        assert tiledmlp.plan_memory(tiled, 4096, optimizer=optimizer).optimizer.spec.placement == "host"
+    got = _train_steps(tiled, optimizer)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 1e-5
+    for (name, p), q in zip(tiled.named_parameters(), untiled.parameters(), strict=True):
+        assert rel_err(p, q) < 1e-4, name
+
+
+def test_bitsandbytes_8bit_adamw_in_backward_on_a_gpu_is_bit_identical():
+    bnb = pytest.importorskip("bitsandbytes")
+    after = _cuda_llama()
+    inside = copy.deepcopy(after)
+    runs = []
+    for model, fuse in ((after, False), (inside, True)):
+        optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=3e-3)
+        if fuse:
+            tiledmlp.step_in_backward(optimizer)
+        runs.append(_train_steps(model, optimizer))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(after.parameters(), inside.parameters(), strict=True))

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 import tiledmlp
 from tiledmlp.offload import checkpointing, host
 from tiledmlp.loss.heads import UNTILED_TRAINING_CALL
-from unit_helpers import build
+from unit_helpers import build, rel_err
 
 transformers = pytest.importorskip("transformers")
 VOCAB, TOKENS = 96, 24
@@ -131,3 +131,56 @@ def test_reentrant_checkpointing_set_later_is_said(tmp_path, offload_everything,
     assert checkpointing.offloader_for(torch.device("cpu")).stats["regions"] == 0
     summary = tiledmlp.describe(tiled).summary()
     assert "offload='cpu' off for 2 layers" in summary and "use_reentrant=False" in summary
+
+
+def _between_backward_and_gpu(model: torch.nn.Module, seq_len: int, optimizer: str) -> dict[str, float]:
+    """Device budgets with which a step of ``seq_len`` fits with ``optimizer`` stepped in backward, not after it."""
+    options = dict(norms=True, attention=True, offload="cpu", host_mib=1 << 20, gpu_mib=1 << 20)
+    peaks = [tiledmlp.plan_memory(model, seq_len, optimizer=optimizer, optimizer_placement=p, **options).gpu_peak_bytes
+             for p in ("gpu", "backward")]
+    return {"gpu_mib": (peaks[0] + peaks[1]) / 2 / 2**20, "host_mib": 1 << 20}
+
+
+def test_tiling_callback_steps_the_trainers_optimizer_in_backward_where_the_length_needs_it(tmp_path):
+    """The trainer's fused AdamW (its default ``optim``) in the plan of ``seq_len``; with a device budget that holds
+    the step only with it stepped in backward, the callback makes it so, and training is the untiled model's with
+    the optimizer stepping after backward."""
+    from tiledmlp.integrations import TilingCallback
+    from tiledmlp.optimizers.in_backward import is_stepped_in_backward
+    from unit_helpers import checkpointed_llama
+
+    ref = checkpointed_llama(layers=2)
+    model = copy.deepcopy(ref)
+    seq_len = 4 * TOKENS  # the trainer's batch of 4 sequences, planned as one
+    callback = TilingCallback(seq_len=seq_len, norms=True, attention=True, offload="cpu",
+                              **_between_backward_and_gpu(model, seq_len, "adamw"))
+    options = dict(max_grad_norm=0.0, optim="adamw_torch_fused", max_steps=3, learning_rate=3e-3, weight_decay=0.1,
+                   logging_strategy="steps", logging_steps=1)
+    tiled = trainer(model, tmp_path / "tiled", **options)
+    tiled.add_callback(callback)
+    tiled.train()
+    assert is_stepped_in_backward(tiled.optimizer)
+    untiled = trainer(ref, tmp_path / "untiled", **options)
+    untiled.train()
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (tiled, untiled)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert rel_err(p, q) < 1e-4, name  # norm-relative: Adam moves near-zero gradients' elements by lr's sign
+
+
+@pytest.mark.parametrize("clipping, accumulation, says", [(1.0, 1, "max_grad_norm=1.0"),
+                                                            (0.0, 2, "gradient_accumulation_steps=1")])
+def test_tiling_callback_refuses_a_length_that_needs_the_step_in_backward_where_the_trainer_forbids_it(
+        tmp_path, clipping, accumulation, says):
+    from tiledmlp.integrations import TilingCallback
+    from unit_helpers import checkpointed_llama
+
+    model = checkpointed_llama(layers=2)
+    seq_len = 4 * TOKENS
+    callback = TilingCallback(seq_len=seq_len, norms=True, attention=True, offload="cpu",
+                              **_between_backward_and_gpu(model, seq_len, "adamw"))
+    run = trainer(model, tmp_path, max_grad_norm=clipping, gradient_accumulation_steps=accumulation,
+                  optim="adamw_torch_fused")
+    run.add_callback(callback)
+    with pytest.raises(ValueError, match=f"Stepping the trainer's optimizer in backward would make it fit.*{says}"):
+        run.train()

@@ -21,7 +21,10 @@ from ..distributed.selection import STRATEGY_NAMES
 from ..distributed.sequence_parallel import ulysses_module
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
+from ..optimizers.spec import BACKWARD, NAMES as OPTIMIZER_NAMES
 from ..plan.memory import StepOptions
+from ..optimizers.in_backward import is_stepped_in_backward, step_in_backward
+from ..plan.optimizer import optimizer_memory, placements_for
 from ..plan.plans import OPTIONS_ATTR, AutoPlacement, options_for_length
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
@@ -36,7 +39,7 @@ log = logging.getLogger("tiledmlp")
 _FORMS = ("auto", "generic")
 _OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
             "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms", "projections",
-            "attention", "gpu_mib", "host_mib", "seq_len")
+            "attention", "gpu_mib", "host_mib", "seq_len", "optimizer", "optimizer_placement")
 
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
@@ -103,6 +106,13 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             turned on in that order), and ``offload="auto"`` where not given (it spends the rest of the device on
             speed), said in one INFO line; a length that fits nowhere is a ValueError naming the longest that
             does. Needs checkpointed layers.
+        optimizer: the optimizer the training step will run, counted by the plan (``seq_len``, ``offload="auto"``,
+            :func:`describe`): an optimizer object, or a name (``"adamw"``: torch's fused AdamW, ``"adamw-foreach"``,
+            ``"adamw8bit"``, or the Trainer's ``optim`` names). Default None: none counted (the plan says so).
+        optimizer_placement: where the optimizer's memory lives: ``"gpu"``, ``"backward"`` (stepped in backward,
+            each gradient freed once used), ``"host"`` (torchao's CPU offload); None: where it is (a name: ``"gpu"``),
+            or with ``seq_len`` the fastest that fits. :func:`make_optimizer` builds a named one there; an optimizer
+            object placed ``"backward"`` is made to step in backward (:func:`step_in_backward`), said in the log.
         norms: also tile the normalization layers (RMSNorm, LayerNorm, whatever their class: recognized by
             what they compute, ``tiledmlp.recognize.norms``) with the generic form: each keeps only its input for
             backward and computes its float32 intermediates one shard at a time (shards sized by
@@ -151,6 +161,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
     check_grouped_kv_under_cp(model)
+    _check_optimizer(model, options.get("optimizer"), options.get("optimizer_placement"))
     seq_len = options.pop("seq_len", None)
     if seq_len is not None:
         loss = _options_for(model, seq_len, loss, options)
@@ -198,8 +209,10 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
     install_follower(model, plan_options)
+    optimizer = optimizer_memory(model, options.get("optimizer"), options.get("optimizer_placement"))
+    _place_optimizer_object(options.get("optimizer"), options.get("optimizer_placement"))
     step = StepOptions(loss=loss_options is not None, norms=norms, attention=attention, offload=offload,
-                       scratch_mib=policy.scratch_mib, projections=projections,
+                       scratch_mib=policy.scratch_mib, projections=projections, optimizer=optimizer,
                        **({"loss_scratch_bytes": int(loss_options.scratch_mib * 2**20)}
                           if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
     model.__dict__[OPTIONS_ATTR] = step
@@ -219,17 +232,40 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
 def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: dict[str, Any]) -> Optional[bool]:
     """``seq_len=T``: fill in the memory options not given from the plan for that length (``tiledmlp.plan``), said
     once; returns ``loss``. ValueError, naming the longest length that fits, when nothing does."""
-    given = {k: options[k] for k in ("norms", "attention", "offload", "projections") if k in options}
+    given = {k: options[k] for k in ("norms", "attention", "offload", "projections", "optimizer",
+                                     "optimizer_placement") if k in options}
     if loss is not None:
         given["loss"] = loss
     chosen, plan, turned_on = options_for_length(model, seq_len, given, options.get("gpu_mib"),
                                                  options.get("host_mib"))
     options.update({k: v for k, v in chosen.items() if k != "loss"})
-    log.info("enable_tiling(seq_len=%d): %s (%s); %s", seq_len,
+    log.info("enable_tiling(seq_len=%d): %s (%s); %s%s", seq_len,
              ", ".join(f"{k}={v!r}" for k, v in chosen.items()),
              f"turned on {', '.join(turned_on)} to fit" if turned_on else "fits as given",
-             plan.table().splitlines()[0].split(": ", 1)[1])
+             plan.table().splitlines()[0].split(": ", 1)[1],
+             f"; optimizer {plan.optimizer.label()}: {plan.optimizer_choice}" if plan.optimizer_choice else "")
     return loss if "loss" in given else (None if chosen["loss"] else False)
+
+
+def _place_optimizer_object(optimizer: Any, placement: Optional[str]) -> None:
+    """An optimizer object the plan steps in backward is made to (the plan and the step must agree), said once."""
+    if isinstance(optimizer, torch.optim.Optimizer) and placement == BACKWARD and not is_stepped_in_backward(optimizer):
+        step_in_backward(optimizer)
+        log.info("enable_tiling: %s now steps each parameter inside backward and frees its gradient "
+                 "(tiledmlp.step_in_backward): one micro-batch per step, and no global-norm clipping",
+                 type(optimizer).__name__)
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any, placement: Any) -> None:
+    if optimizer is None:
+        if placement is not None:
+            raise ValueError(f"optimizer_placement={placement!r} places the optimizer given as optimizer=...; none is")
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer) and (
+            not isinstance(optimizer, str) or optimizer not in OPTIMIZER_NAMES):
+        raise ValueError(f"optimizer must be None, a torch.optim.Optimizer or one of {sorted(OPTIMIZER_NAMES)}, "
+                         f"got {optimizer!r}")
+    placements_for(optimizer, next((p.device for p in model.parameters()), torch.device("cpu")), placement)
 
 
 def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,

@@ -7,8 +7,9 @@ the host (``offload``), or nowhere (recomputed from the layer below: ``tiledmlp.
 one layer's backward, where that layer's recompute has rebuilt what its forward saves and its backward runs. Layer
 ``i``'s backward holds:
 
-* the weights, and the optimizer states when given;
-* the gradients made so far: the head's and those of layers ``i`` and above (the input embedding's comes last);
+* the weights, and the optimizer states the device holds (``tiledmlp.optimizers.spec``, design note);
+* the gradients made so far: the head's and those of layers ``i`` and above (the input embedding's comes last); with
+  the optimizer stepped in backward or on the host, layer ``i``'s only (the others were stepped or copied, and freed);
 * the inputs kept on the device of the layers below ``i``;
 * the layer's working set, per token: the attention core's saved output and log-sum-exp, q/k/v, the layer input,
   the gradient flowing in, the residual, the norms' outputs, the MLP's input gradient, and, unless
@@ -24,8 +25,10 @@ cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the
 (``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
 this model's 46.12); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
 
-The step's peak is the largest of these and of the end of the forward (every kept input, the loss's buffers). The
-host holds the offloaded inputs in pinned buffers.
+The step's peak is the largest of these, of the end of the forward (every kept input, the loss's buffers) and, for
+an optimizer that steps on the device after backward, of its step (the weights, every gradient, the states and the
+step's temporaries: foreach AdamW's are one whole state's worth). The host holds the offloaded inputs and a host-placed
+optimizer's states and copies in pinned buffers; the inputs get what the host budget leaves.
 
 Besides the per-token terms, the layer's backward holds the scratch of whichever tiled computation runs at its peak:
 with ``attention=True`` the larger of the shard policy's budget (``scratch_mib``: one MLP, norm or loss shard, or one
@@ -68,6 +71,7 @@ from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_toke
 from ..attention.ulysses import slots
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 from ..offload import host
+from .optimizer import NO_OPTIMIZER, OptimizerMemory
 from .shapes import ModelShape
 
 __all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak", "arrange", "place",
@@ -85,13 +89,14 @@ UNTILED_NORMS_HIDDEN_VECTORS = 8.5
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What changes a step's memory: the tiling options, and the optimizer's state bytes on this rank."""
+    """What changes a step's memory: the tiling options, and the optimizer's bytes on this rank."""
 
     loss: bool = True
     norms: bool = False
     attention: bool = False
     offload: Optional[str] = None  # None (every input kept), "cpu" (every input on the host) or "auto"
-    optimizer_bytes: int = 0  # the optimizer's states on this rank (offload="auto": whatever else is on the device)
+    optimizer: OptimizerMemory = NO_OPTIMIZER  # the optimizer's bytes on this rank, and where they live
+    other_device_bytes: int = 0  # offload="auto" at run time: what else this process holds on the device
     loss_scratch_bytes: int = 256 << 20
     scratch_mib: Optional[float] = None  # the shard policy's scratch budget (the attention core's groups)
     gpu_mib: Optional[float] = None  # the budgets given to enable_tiling (None: what the process may use)
@@ -229,9 +234,16 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
         in_slot = ulysses_working_bytes_per_token(shape, options)
         if int(tokens * in_slot) + slot > working:
             per_token, scratch, working = in_slot, slot, int(tokens * in_slot) + slot
-    fixed = [Term("weights", GPU, shape.weight_bytes), Term("optimizer states", GPU, options.optimizer_bytes),
+    optimizer = options.optimizer
+    fixed = [Term("weights", GPU, shape.weight_bytes),
+             Term("optimizer states", GPU, optimizer.device_states, optimizer.label()),
+             Term("other allocations of this process", GPU, options.other_device_bytes),
              Term("parameters gathered whole", GPU, shape.gathered_bytes,
                   "FSDP2: the root unit's and the layer's, the root's gradients")]
+    # stepped in backward (or copied to the host) as they complete: a layer's backward holds its own gradients only,
+    # and the step's temporaries of one parameter
+    in_backward = ([Term("the optimizer step's temporaries", GPU, optimizer.step_temporaries, "of one parameter")]
+                   if optimizer.frees_gradients else [])
     candidates, on_gpu_below, keeps_below = [], 0, 0
     grads_from_i, chain = shape.grad_bytes - shape.embedding_grad_bytes, 0
     for i in range(n):
@@ -241,15 +253,18 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
                  Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
                       f"{keeps_below} layers below {i}"),
                  Term("the inputs below, for the rebuild", GPU, chain * kept)]
-        candidates.append((f"in layer {i}'s backward", fixed + [
-            Term("gradients", GPU, grads_from_i,
-                 f"the head's and {layers}'s (the input embedding's comes after the layers)"), *below,
+        gradients = (Term("gradients", GPU, layer_grad_bytes[i], f"layer {i}'s (the others stepped and freed)")
+                     if optimizer.frees_gradients else
+                     Term("gradients", GPU, grads_from_i,
+                          f"the head's and {layers}'s (the input embedding's comes after the layers)"))
+        candidates.append((f"in layer {i}'s backward", fixed + [gradients, *in_backward, *below,
             Term("the layer's backward", GPU, working,
                  f"{per_token / 1024:.1f} KiB per token, {scratch / 2**20:.0f} MiB scratch")]))
         if keeps[i]:  # its recompute reuses the kept output: a moment of its own, before the layer's gradients
             above = f" and layers {i + 1}-{n - 1}'s" if i < n - 1 else ""
-            candidates.append((f"in layer {i}'s recompute", fixed + [
-                Term("gradients", GPU, grads_from_i - layer_grad_bytes[i], f"the head's{above}"), *below,
+            before = (Term("gradients", GPU, 0) if optimizer.frees_gradients else
+                      Term("gradients", GPU, grads_from_i - layer_grad_bytes[i], f"the head's{above}"))
+            candidates.append((f"in layer {i}'s recompute", fixed + [before, *below,
                 Term("the layer's recompute", GPU, int(tokens * recompute),
                      f"{recompute / 1024:.1f} KiB per token, the kept attention output reused")]))
         on_gpu_below += places[i] == GPU
@@ -265,25 +280,36 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
         Term("attention outputs kept for the recompute", GPU, sum(map(bool, keeps)) * attention),
         Term("the loss", GPU, loss_forward, "a logits chunk, the head's float32 gradient" if options.loss
              else "the logits, their float32 copy and gradient")]))
+    if optimizer.steps_on_device:  # after backward, over every gradient at once
+        candidates.append(("at the optimizer step", fixed + [
+            Term("gradients", GPU, shape.grad_bytes, "every trainable parameter's"),
+            Term("the optimizer step's temporaries", GPU, optimizer.step_temporaries,
+                 optimizer.spec.implementation)]))
     moment, terms = max(candidates, key=lambda c: sum(t.nbytes for t in c[1]))
-    host = Term("layer inputs on the host (pinned)", HOST, sum(p == HOST for p in places) * kept,
-                f"{sum(p == HOST for p in places)} layers")
+    host = [Term("layer inputs on the host (pinned)", HOST, sum(p == HOST for p in places) * kept,
+                 f"{sum(p == HOST for p in places)} layers"),
+            Term("optimizer on the host (pinned)", HOST, optimizer.host_bytes, "states, parameter and gradient copies")]
     recomputed = sum(p == RECOMPUTE for p in places)
-    terms = [t for t in terms if t.nbytes] + [host] + (
+    terms = [t for t in terms + host if t.nbytes or t is host[0]] + (
         [Term("layer inputs recomputed", GPU, 0, f"{recomputed} layers: one more layer forward each")]
         if recomputed else [])
-    return Peak(sum(t.nbytes for t in terms if t.where == GPU), host.nbytes, moment, tuple(terms))
+    return Peak(sum(t.nbytes for t in terms if t.where == GPU), sum(t.nbytes for t in host), moment, tuple(terms))
 
 
 def arrange(n: int, on_gpu: int, recomputed: int) -> Optional[tuple[str, ...]]:
-    """``n`` places: the top ``on_gpu`` layers on the device, ``recomputed`` of the others recomputed (odd positions
-    first, then even ones from 2: layer 0 never), the rest on the host; None when that cannot be."""
+    """``n`` places: the top ``on_gpu`` layers on the device, ``recomputed`` of the others recomputed, the rest on the
+    host; None when that cannot be (layer 0 is never recomputed: nothing below it). The recomputed layers form runs
+    above each layer on the host, as even as they can be (a run of ``k`` holds ``k`` inputs at its rebuild and costs
+    ``k (k + 1) / 2`` layer forwards: even runs minimize both), the longer runs highest (the gradients fewest)."""
     below = n - on_gpu
     if recomputed > max(below - 1, 0):
         return None
-    order = list(range(1, below, 2)) + list(range(2, below, 2))
-    chosen = set(order[:recomputed])
-    return tuple(RECOMPUTE if i in chosen else HOST if i < below else GPU for i in range(n))
+    kept = below - recomputed  # layers on the host, each followed by its run of recomputed layers
+    places: list[str] = []
+    for j in range(kept):
+        run = recomputed // kept + (j >= kept - recomputed % kept)
+        places += [HOST] + [RECOMPUTE] * run
+    return tuple(places) + (GPU,) * on_gpu
 
 
 def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int],
@@ -301,7 +327,8 @@ def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Opti
         places = (HOST if options.offload == "cpu" else GPU,) * n
         return (places, none_kept), step_peak(shape, options, tokens, places)
     kept = max(tokens * shape.layer_input_bytes_per_token, 1)
-    host_slots = n if host_budget is None else host_budget // kept
+    # the host budget holds the optimizer's host bytes first (they are there for the whole step), then inputs
+    host_slots = n if host_budget is None else max(host_budget - options.optimizer.host_bytes, 0) // kept
     best = None
     for on_gpu in range(n, -1, -1):
         places = arrange(n, on_gpu, max(n - on_gpu - host_slots, 0))

@@ -17,9 +17,10 @@ from ..distributed.sequence_parallel import split_of
 from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
+from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .shapes import ModelShape, local_bytes, model_shape
 
-__all__ = ["MemoryPlan", "plan_memory", "step_options", "AutoPlacement", "budgets", "refusal", "options_for_length",
+__all__ = ["MemoryPlan", "plan_memory", "step_options", "tiled_step_options", "AutoPlacement", "budgets", "refusal", "options_for_length",
            "ESCALATION", "OPTIONS_ATTR"]
 
 log = logging.getLogger("tiledmlp")
@@ -58,6 +59,12 @@ class MemoryPlan:
     gpu_budget_bytes: Optional[int]
     host_budget_bytes: Optional[int]
     longest_seq_len: int
+    optimizer_choice: str = ""  # why the optimizer is placed where it is, when the plan chose it
+
+    @property
+    def optimizer(self) -> OptimizerMemory:
+        """The optimizer counted (``optimizer.spec`` None: none), its bytes and placement."""
+        return self.options.optimizer
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -86,6 +93,7 @@ class MemoryPlan:
                  f"loss={o.loss}, norms={o.norms}, attention={o.attention}, offload={o.offload!r}: "
                  f"{'fits' if self.fits else 'does NOT fit'}; longest {self.longest_seq_len:,} tokens",
                  f"  layer inputs: {self.placed() or 'no checkpointed layers'}",
+                 f"  optimizer: {o.optimizer.label()}" + (f"; {self.optimizer_choice}" if self.optimizer_choice else ""),
                  f"  device peak {_gib(self.gpu_peak_bytes)} {self.peak.moment} "
                  f"(budget {_gib(self.gpu_budget_bytes)}); "
                  f"host {_gib(self.host_peak_bytes)} pinned (budget {_gib(self.host_budget_bytes)})"]
@@ -99,12 +107,17 @@ class MemoryPlan:
     __str__ = table
 
 
-def step_options(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+def tiled_step_options(model: nn.Module) -> Optional[StepOptions]:
+    """The memory options ``enable_tiling`` tiled ``model`` with (None: not tiled)."""
+    return model.__dict__.get(OPTIONS_ATTR)
+
+
+def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: Optional[str] = None,
                  **options: Any) -> StepOptions:
     """The memory-relevant options: those given, else those ``model`` was tiled with, else ``enable_tiling``'s
-    defaults; ``optimizer``'s state bytes on this rank (its states when it has stepped, else Adam's two per element,
-    SGD's momentum)."""
-    tiled = model.__dict__.get(OPTIONS_ATTR) or StepOptions()
+    defaults; ``optimizer``'s bytes on this rank (``tiledmlp.plan.optimizer``: an optimizer object, or a name placed
+    at ``optimizer_placement``, default ``"gpu"``), or the engine's offload the model is wrapped with."""
+    tiled = tiled_step_options(model) or StepOptions()
     loss = options.get("loss", tiled.loss)
     scratch_mib = options.get("loss_scratch_mib")
     step = replace(tiled, loss=loss is not False, norms=bool(options.get("norms", tiled.norms)),
@@ -115,21 +128,10 @@ def step_options(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
                    **({"loss_scratch_bytes": int(scratch_mib * 2**20)} if scratch_mib else {}))
     if step.offload not in (None, "cpu", "auto"):
         raise ValueError(f"offload={step.offload!r}: plan_memory plans offload=None, 'cpu' or 'auto'")
-    return replace(step, optimizer_bytes=_optimizer_bytes(optimizer)) if optimizer is not None else step
-
-
-def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    states = sum(local_bytes(t) for state in optimizer.state.values() for t in state.values()
-                 if isinstance(t, torch.Tensor) and t.dim() > 0)
-    if states:
-        return states
-    params = sum(local_bytes(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
-    if isinstance(optimizer, torch.optim.SGD):
-        return params if any(group.get("momentum") for group in optimizer.param_groups) else 0
-    if "adam" not in type(optimizer).__name__.lower():
-        warn_once(("optimizer assumed", type(optimizer).__name__), "plan_memory: %s has no state yet; its states are "
-                  "assumed to take two elements per parameter element (as Adam's)", type(optimizer).__name__)
-    return 2 * params
+    engine = engine_placement(model)
+    if optimizer is None and engine is None:
+        return step
+    return replace(step, optimizer=optimizer_memory(model, optimizer, optimizer_placement, engine))
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -184,18 +186,36 @@ def longest_tokens(shape: ModelShape, options: StepOptions, gpu: Optional[int], 
 
 
 def _plan(shape: ModelShape, options: StepOptions, seq_len: int, batch_size: int, split: int, gpu: Optional[int],
-          host: Optional[int]) -> MemoryPlan:
+          host: Optional[int], optimizer_choice: str = "") -> MemoryPlan:
     tokens = seq_len * batch_size // split
     options = replace(options, ulysses=split if options.ulysses > 1 else 1)
     if options.projections:
         warn_once(("plan without projections",), "plan_memory: %s", UNMODELLED_PROJECTIONS)
     (places, keeps), peak = place(shape, options, tokens, gpu, host)
     longest = longest_tokens(shape, options, gpu, host) * split // batch_size
-    return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest)
+    return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest, optimizer_choice)
+
+
+def _placed_optimizer(model: nn.Module, step: StepOptions, optimizer: Any, placements: tuple[str, ...],
+                      plan_one: Any) -> MemoryPlan:
+    """The plan with ``optimizer`` at the first of ``placements`` (fastest first) with which the step fits (else the
+    last), and, where there was a choice, why there, in one phrase."""
+    tried = []
+    for placement in placements:
+        plan = plan_one(replace(step, optimizer=optimizer_memory(model, optimizer, placement)))
+        tried.append(f"{_gib(plan.gpu_peak_bytes)} of device and {_gib(plan.host_peak_bytes)} of host memory with "
+                     f"the optimizer '{placement}'")
+        if plan.fits:
+            break
+    if len(placements) == 1:
+        return plan
+    why = (f"placed '{placements[0]}', the fastest" if len(tried) == 1 else
+           f"placed '{plan.optimizer.spec.placement}': the step needs " + "; ".join(tried[:-1]))
+    return replace(plan, optimizer_choice=why if plan.fits else "no placement fits: " + "; ".join(tried))
 
 
 def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence_parallel: int = 1,
-                optimizer: Optional[torch.optim.Optimizer] = None, gpu_mib: Optional[float] = None,
+                optimizer: Any = None, optimizer_placement: Optional[str] = None, gpu_mib: Optional[float] = None,
                 host_mib: Optional[float] = None, **options: Any) -> MemoryPlan:
     """The memory of one training step of ``model`` (a Hugging Face causal LM with checkpointed layers, bare or
     wrapped, tiled or not) for ``batch_size`` sequences of ``seq_len`` tokens, split over ``sequence_parallel``
@@ -210,7 +230,15 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     ``options``: ``enable_tiling``'s (``loss``, ``norms``, ``attention``, ``offload``, ``loss_scratch_mib``,
     ``scratch_mib``, ``projections``); those left out are the ones ``model`` was tiled with, else the defaults.
     ``projections=True``'s LoRA copies are not modelled: such a plan says so in its table and in a warning, once.
-    ``optimizer``: count its states. Runs nothing on the model; costs no communication."""
+    ``optimizer``: count it (``tiledmlp.optimizers.spec``, design note: states, the step's temporaries, the gradients'
+    lifetime, host copies): an optimizer object (placed as it is), or a name (``"adamw"``, torch's fused AdamW;
+    ``"adamw-foreach"``; ``"adamw8bit"``; the Trainer's ``optim`` names) placed at ``optimizer_placement``
+    (``"gpu"``, ``"backward"``: stepped in backward, ``"host"``: torchao's CPU offload) or, by default, the fastest
+    placement with which the step fits (``plan.optimizer_choice`` says why); an object on the device may be planned
+    stepped in backward too (``step_in_backward`` makes it so). A model wrapped by an engine that
+    offloads its optimizer (DeepSpeed ``offload_optimizer``, FSDP2 ``CPUOffloadPolicy``) is planned with the engine's
+    placement. Without one, the plan counts no optimizer and its table says so. Runs nothing on the model; costs no
+    communication."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int (tokens per sequence), got {seq_len!r}")
     if batch_size < 1 or sequence_parallel < 1 or seq_len * batch_size % sequence_parallel:
@@ -225,12 +253,18 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
         raise ValueError(f"plan_memory models a decoder with checkpointed layers, and no module of "
                          f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
                          "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
-    step = step_options(model, optimizer, **options)
+    placed = optimizer is not None and engine_placement(model) is None  # the engine's placement is its own
+    placements = placements_for(optimizer, _device_of(model), optimizer_placement) if placed else ()
+    step = step_options(model, optimizer, placements[0] if placed else None, **options)
     split = split_of(model)
     step = replace(step, ulysses=sequence_parallel if split is None or split.kind == "sp" else 1)
     gpu, host = budgets(model, step.gpu_mib if gpu_mib is None else gpu_mib,
                         step.host_mib if host_mib is None else host_mib)
-    return _plan(shape, step, seq_len, batch_size, sequence_parallel, gpu, host)
+
+    def plan_one(options: StepOptions) -> MemoryPlan:
+        return _plan(shape, options, seq_len, batch_size, sequence_parallel, gpu, host)
+
+    return _placed_optimizer(model, step, optimizer, placements, plan_one) if placed else plan_one(step)
 
 
 def refusal(plan: MemoryPlan, shape: ModelShape) -> str:
@@ -260,12 +294,19 @@ ESCALATION = (("norms", True), ("attention", True), ("offload", "auto"))
 def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gpu_mib: Optional[float] = None,
                        host_mib: Optional[float] = None) -> tuple[dict[str, Any], MemoryPlan, list[str]]:
     """The options of ``enable_tiling`` for steps of ``seq_len`` tokens: those ``given``, and of the others the
-    fewest of :data:`ESCALATION` with which the plan fits the budgets. Returns them, their plan, and what was turned
-    on. ValueError, with the longest length that fits and what else would help, when nothing fits."""
+    fewest of :data:`ESCALATION` with which the plan fits the budgets (an optimizer given by name placed the fastest
+    way that fits, :func:`plan_memory`). Returns them (with ``optimizer_placement`` where one was placed), their plan,
+    and what was turned on. ValueError, with the longest length that fits and what else would help, when nothing
+    fits."""
     chosen = {"loss": given.get("loss") is not False, "norms": given.get("norms", False),
               "attention": given.get("attention", False), "offload": given.get("offload"),
               "projections": given.get("projections", False)}
-    plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
+    optimizer = {key: given[key] for key in ("optimizer", "optimizer_placement") if given.get(key) is not None}
+
+    def plan_for(options: dict[str, Any]) -> MemoryPlan:
+        return plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **optimizer, **options)
+
+    plan = plan_for(chosen)
     turned_on = []
     for key, value in ESCALATION:
         if plan.fits:
@@ -274,12 +315,14 @@ def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gp
             continue
         chosen[key] = value
         turned_on.append(f"{key}={value!r}")
-        plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
+        plan = plan_for(chosen)
     if not plan.fits:
         raise ValueError(f"enable_tiling(seq_len={seq_len}): {refusal(plan, model_shape(model))}")
     if "offload" not in given and chosen["offload"] is None:
         chosen["offload"] = "auto"  # fits as it is: the rest of the device is spent on speed
-        plan = plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **chosen)
+        plan = plan_for(chosen)
+    if plan.optimizer.spec is not None and given.get("optimizer") is not None:
+        chosen["optimizer_placement"] = plan.optimizer.spec.placement
     return chosen, plan, turned_on
 
 
@@ -309,7 +352,11 @@ class AutoPlacement:
         gpu, host = budgets(self.model, self.options.gpu_mib, self.options.host_mib)
         split = split_of(self.model)
         ulysses = split.size if split is not None and split.kind == "sp" else 1
-        plan = _plan(shape, replace(self.options, optimizer_bytes=other, ulysses=ulysses), tokens * ulysses, 1,
+        # what else the device holds counts as a constant of the step; the optimizer's states are among it once
+        # they exist (after its first step), else the plan adds them
+        states = self.options.optimizer.device_states
+        other = other - states if other >= states else other
+        plan = _plan(shape, replace(self.options, other_device_bytes=other, ulysses=ulysses), tokens * ulysses, 1,
                      ulysses, gpu, host)
         if not plan.fits:
             raise MemoryError(f"tiledmlp offload='auto': {refusal(plan, shape)}")

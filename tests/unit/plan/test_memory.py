@@ -167,7 +167,9 @@ def test_nothing_is_kept_where_nothing_can_be():
 
 def test_arrange_spreads_the_recomputed_layers():
     assert arrange(6, 2, 2) == (HOST, RECOMPUTE, HOST, RECOMPUTE, GPU, GPU)
-    assert arrange(6, 0, 4) == (HOST, RECOMPUTE, RECOMPUTE, RECOMPUTE, HOST, RECOMPUTE)
+    # even runs above each host layer (before: odd positions, then even ones, a run of three here)
+    assert arrange(6, 0, 4) == (HOST, RECOMPUTE, RECOMPUTE, HOST, RECOMPUTE, RECOMPUTE)
+    assert arrange(8, 1, 4) == (HOST, RECOMPUTE, HOST, RECOMPUTE, HOST, RECOMPUTE, RECOMPUTE, GPU)
     assert arrange(4, 0, 4) is None and arrange(4, 4, 0) == (GPU,) * 4
 
 
