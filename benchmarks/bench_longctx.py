@@ -37,7 +37,8 @@ after a colon: ``adamw:backward``, ``adamw:host``, ``adamw:auto``); a step is th
 ``--layers`` of the shape's N layers, and ``--gpu-mib`` / ``--host-mib`` (default: what the process may use) are the
 whole N-layer model's budgets, scaled to the layers run (the missing layers' weights and optimizer states off the
 device budget; the host budget's share for layer inputs scaled by layers / N, plus the run's optimizer host bytes);
-``projected_gib`` / ``projected_host_gib`` then add the missing layers' bytes back to the measured peaks.
+``full_plan_gib`` / ``full_plan_host_gib`` / ``full_placement`` / ``full_longest`` are the whole model's plan at that
+length (the projection the run checks: its own peak against its plan at the same length and options).
 
 Peak is ``torch.cuda.max_memory_allocated`` over the step(s), weights and gradients included; ``predicted_gib`` is
 ``tiledmlp.plan_memory``'s device peak for the variant (tiled variants), ``host_gib`` the layer inputs one step
@@ -91,9 +92,9 @@ VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "optimizer", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib",
            "predicted_host_gib", "host_rss_gib", "placement", "optimizer_placement", "step_s", "optimizer_s",
-           "tokens_per_s", "steps", "loss", "losses", "gpu_mib", "host_mib", "scale_to", "projected_gib",
-           "full_plan_gib", "full_plan_host_gib", "full_placement", "full_longest", "gpu_name", "torch", "triton",
-           "transformers", "liger", "tiledmlp", "date")
+           "tokens_per_s", "steps", "loss", "losses", "gpu_mib", "host_mib", "scale_to", "full_gpu_mib",
+           "full_host_mib", "full_plan_gib", "full_plan_host_gib", "full_placement", "full_longest", "gpu_name",
+           "torch", "triton", "transformers", "liger", "tiledmlp", "date")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -225,11 +226,13 @@ def scaled(model: nn.Module, variant: str, tokens: int, args, optimizer_choice: 
     plan = tiledmlp.plan_memory(whole, tokens)
     placement = plan.optimizer.spec.placement if plan.optimizer.spec is not None else placement
     runs = f"{name}:{placement}" if name != NONE else NONE
-    added = missing * layer_bytes(model.model.layers[0], placement, name)
+    missing_layers = missing * layer_bytes(model.model.layers[0], placement, name)
     mine = optimizer_memory(model, name, placement).host_bytes if name != NONE else 0
     inputs_host = host - plan.optimizer.host_bytes  # what the whole model's inputs may take of the host
-    return {"gpu_mib": (gpu - added) / 2**20, "host_mib": (inputs_host * run_layers / args.scale_to + mine) / 2**20,
-            "optimizer_choice": runs, "added": added, "full_plan_gib": plan.gpu_peak_bytes / 2**30,
+    return {"gpu_mib": (gpu - missing_layers) / 2**20,
+            "host_mib": (inputs_host * run_layers / args.scale_to + mine) / 2**20,
+            "full_gpu_mib": gpu / 2**20, "full_host_mib": host / 2**20,
+            "optimizer_choice": runs, "full_plan_gib": plan.gpu_peak_bytes / 2**30,
             "full_plan_host_gib": plan.host_peak_bytes / 2**30, "full_placement": plan.placed(),
             "full_longest": plan.longest_seq_len, "scale_to": args.scale_to}
 
@@ -260,10 +263,9 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
         del optimizer  # its states go with it, before the next row
     offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded_before) / (warmup + steps)
     documents = int((batch["position_ids"] == 0).sum()) if packed else 1
-    projected = {"projected_gib": peak + scale.pop("added") / 2**30} if scale else {}
     return {"attn": model.config._attn_implementation, "documents": documents, "peak_gib": peak, **timed,
             "tokens_per_s": tokens / timed["step_s"], "steps": steps, "host_gib": offloaded / 2**30,
-            "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib, **plan, **scale, **projected}
+            "host_rss_gib": host_peak_gib(), "gpu_mib": gpu_mib, "host_mib": host_mib, **plan, **scale}
 
 
 def predicted(model: nn.Module, variant: str, tokens: int,

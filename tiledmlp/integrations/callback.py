@@ -1,5 +1,5 @@
-"""``TilingCallback``: ``enable_tiling`` where a trainer builds, adapts or wraps the model itself, with the optimizer the
-trainer built in its memory plan."""
+"""``TilingCallback``: ``enable_tiling`` where a trainer builds, adapts or wraps the model itself, with the optimizer
+the trainer built in its memory plan."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ through torchao's ``CPUOffloadOptimizer``. No optimizer of our own: the placemen
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+import contextlib
+import weakref
+from typing import Any, Iterable, Iterator, Union
 
 import torch
 from torch import nn
@@ -58,4 +60,62 @@ def build_optimizer(params: Params, name: str = "adamw", placement: str = "gpu",
     except ImportError as error:
         raise ImportError("the optimizer placement 'host' uses torchao's CPUOffloadOptimizer: pip install torchao "
                           "(or place the optimizer 'gpu' or 'backward')") from error
-    return CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=True, fused=True, **hyperparameters)
+    with _owned_hooks() as owned:
+        optimizer = CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=True, fused=True,
+                                        **hyperparameters)
+    owned.hand_to(optimizer)
+    return optimizer
+
+
+class _OwnedHooks:
+    """The post-accumulate-grad hooks an optimizer registers while it is built, made its own: torchao's hold the
+    optimizer itself, so the parameters would keep it (and its hooks, moving every later gradient to its host
+    copies and freeing it) for as long as they live, also after the optimizer is dropped and another one built.
+    Here each hook is re-registered as one that calls it only while the optimizer lives (the optimizer holds the
+    hooks; the parameters refer to them weakly), and the parameters' hooks are removed with the optimizer."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[torch.Tensor, Any, Any]] = []
+
+    def record(self, register: Any) -> Any:
+        def recording(tensor: torch.Tensor, hook: Any) -> Any:
+            handle = register(tensor, hook)
+            self.registered.append((tensor, hook, handle))
+            return handle
+
+        return recording
+
+    def hand_to(self, optimizer: Any) -> None:
+        hooks, handles = [], []
+        for tensor, hook, handle in self.registered:
+            handle.remove()
+            hooks.append(hook)
+            handles.append(tensor.register_post_accumulate_grad_hook(_calling_while_alive(weakref.ref(hook))))
+        self.registered.clear()
+        optimizer.__dict__["_tiledmlp_owned_hooks"] = hooks
+        weakref.finalize(optimizer, _remove_all, handles)
+
+
+def _calling_while_alive(hook: "weakref.ref[Any]") -> Any:
+    def call(tensor: torch.Tensor) -> None:
+        alive = hook()
+        if alive is not None:
+            alive(tensor)
+
+    return call
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _owned_hooks() -> Iterator[_OwnedHooks]:
+    owned = _OwnedHooks()
+    register = torch.Tensor.register_post_accumulate_grad_hook
+    torch.Tensor.register_post_accumulate_grad_hook = owned.record(register)
+    try:
+        yield owned
+    finally:
+        torch.Tensor.register_post_accumulate_grad_hook = register

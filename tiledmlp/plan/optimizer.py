@@ -127,7 +127,8 @@ def placements_for(optimizer: Any, device: torch.device, given: Optional[str] = 
         raise ValueError(f"optimizer_placement={given!r}: choose one of {list(PLACEMENTS)} or None (the fastest that "
                          "fits)")
     if not isinstance(optimizer, str) and given not in candidates:
-        raise ValueError(f"optimizer_placement={given!r}: an optimizer object is planned where it is ({candidates[0]!r})"
+        raise ValueError(f"optimizer_placement={given!r}: an optimizer object is planned where it is "
+                         f"({candidates[0]!r})"
                          + (" or stepped in backward ('backward')" if len(candidates) > 1 else "")
                          + "; to place it elsewhere, build it there (tiledmlp.make_optimizer)")
     return (given,)

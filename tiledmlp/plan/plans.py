@@ -20,8 +20,8 @@ from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .shapes import ModelShape, local_bytes, model_shape
 
-__all__ = ["MemoryPlan", "plan_memory", "step_options", "tiled_step_options", "AutoPlacement", "budgets", "refusal", "options_for_length",
-           "ESCALATION", "OPTIONS_ATTR"]
+__all__ = ["MemoryPlan", "plan_memory", "step_options", "tiled_step_options", "AutoPlacement", "budgets", "refusal",
+           "options_for_length", "ESCALATION", "OPTIONS_ATTR"]
 
 log = logging.getLogger("tiledmlp")
 
@@ -93,7 +93,8 @@ class MemoryPlan:
                  f"loss={o.loss}, norms={o.norms}, attention={o.attention}, offload={o.offload!r}: "
                  f"{'fits' if self.fits else 'does NOT fit'}; longest {self.longest_seq_len:,} tokens",
                  f"  layer inputs: {self.placed() or 'no checkpointed layers'}",
-                 f"  optimizer: {o.optimizer.label()}" + (f"; {self.optimizer_choice}" if self.optimizer_choice else ""),
+                 f"  optimizer: {o.optimizer.label()}"
+                 + (f"; {self.optimizer_choice}" if self.optimizer_choice else ""),
                  f"  device peak {_gib(self.gpu_peak_bytes)} {self.peak.moment} "
                  f"(budget {_gib(self.gpu_budget_bytes)}); "
                  f"host {_gib(self.host_peak_bytes)} pinned (budget {_gib(self.host_budget_bytes)})"]

@@ -42,6 +42,11 @@ class ModelShape:
     trainable_bytes: int
     layer_grad_bytes: tuple[int, ...]  # each checkpointed layer's trainable bytes, in forward order
     gathered_bytes: int = 0  # FSDP2: the whole parameters its units hold gathered at a layer's backward
+    # each checkpointed layer's largest child's trainable bytes (its MLP's): the gradients a layer's backward holds at
+    # once where each is stepped (or copied to the host) and freed as it completes
+    layer_unit_grad_bytes: tuple[int, ...] = ()
+    tied_grad_bytes: int = 0  # a head tied to the input embedding: its gradient waits for the embedding's share
+    intermediate: int = 0  # the MLP's intermediate size (0: not in the config)
 
     @property
     def q_width(self) -> int:
@@ -92,8 +97,10 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> Mo
     common = Counter(p.dtype for p in floating).most_common(1)
     itemsize = act_dtype.itemsize if act_dtype is not None else common[0][0].itemsize if common else 4
     embedding = getattr(_call(model, "get_input_embeddings"), "weight", None)
-    if embedding is not None and getattr(_call(model, "get_output_embeddings"), "weight", None) is embedding:
-        embedding = None  # tied: its gradient comes with the head's, first in backward
+    tied = embedding is not None and getattr(_call(model, "get_output_embeddings"), "weight", None) is embedding
+    tied_grad = local_bytes(embedding) if tied and embedding.requires_grad else 0
+    if tied:
+        embedding = None  # its gradient comes with the head's, first in backward
     trainable = [p for p in params if p.requires_grad]
     layers = checkpointing_modules(model)
     in_layers = {id(p) for m in layers for p in m.parameters()}
@@ -106,6 +113,9 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> Mo
         embedding_grad_bytes=local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0,
         trainable_bytes=sum(local_bytes(p) for p in trainable),
         layer_grad_bytes=tuple(sum(local_bytes(p) for p in m.parameters() if p.requires_grad) for m in layers),
+        layer_unit_grad_bytes=tuple(max((sum(local_bytes(p) for p in c.parameters() if p.requires_grad)
+                                         for c in m.children()), default=0) for m in layers),
+        tied_grad_bytes=tied_grad, intermediate=getattr(config, "intermediate_size", None) or 0,
         gathered_bytes=_gathered_bytes([p for p in params if id(p) not in in_layers],
                                        [list(m.parameters()) for m in layers], embedding))
 

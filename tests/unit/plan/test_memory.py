@@ -43,7 +43,8 @@ def measured_rows():
         size = "8b" if "_8b_" in path.name else "1b"
         rows += [(size, layers, row) for row in csv.DictReader(path.open())
                  if "loss" in row["variant"].split("+") and row["peak_gib"] not in ("oom", "error")
-                 and row.get("attn", "sdpa") == "sdpa"]
+                 and row.get("attn", "sdpa") == "sdpa" and row.get("optimizer", "none") == "none"]
+    # (rows with an optimizer in the step: test_optimizer_plan.py)
     return rows
 
 

@@ -76,17 +76,20 @@ def test_8bit_adamw_states(model):
     assert plan.gpu_peak_bytes == 2 * N + 2 * N + 2 * N + N // 32  # weights, gradients, states; no temporaries
 
 
-def test_stepped_in_backward_a_layer_holds_only_its_own_gradients(model):
-    tokens = 131072
+def test_stepped_in_backward_a_layer_holds_only_its_mlps_gradients(model):
+    """Each gradient freed as it completes: a layer's backward holds its MLP's (while the MLP's backward runs, in
+    its 512 MiB shard scratch budget, which at this length is the layer's scratch too), nothing of the layers above
+    or of the head."""
+    tokens = 65536
     on_device = tiledmlp.plan_memory(model, tokens, optimizer="adamw", optimizer_placement="gpu", norms=True,
                                      attention=True, offload="cpu", **ROOMY)
     inside = tiledmlp.plan_memory(model, tokens, optimizer="adamw", optimizer_placement="backward", norms=True,
                                   attention=True, offload="cpu", **ROOMY)
-    assert inside.peak.moment == "in layer 0's backward" and terms(inside)["gradients"] == 2 * LAYER
-    assert "at the optimizer step" not in inside.table()
+    assert inside.peak.moment == "in layer 0's backward" and terms(inside)["gradients"] == 2 * 3 * I * H
+    assert "at the optimizer step" not in inside.table() and "512 MiB scratch" in inside.table()
     # in layer 0's backward with the states on the device: the head's and every layer's gradients
     assert terms(on_device)["gradients"] == 2 * (N - V * H)
-    assert on_device.gpu_peak_bytes - inside.gpu_peak_bytes == 2 * (N - V * H) - 2 * LAYER
+    assert on_device.gpu_peak_bytes - inside.gpu_peak_bytes == 2 * (N - V * H) - 2 * 3 * I * H
 
 
 def test_on_the_host_the_states_and_copies_leave_the_device(model):
@@ -104,7 +107,7 @@ def test_on_the_host_the_states_and_copies_leave_the_device(model):
     assert "optimizer states" not in terms(plan) and terms(plan)["optimizer on the host (pinned)"] == 8 * N
     assert plan.placement == (HOST, RECOMPUTE, GPU, GPU), plan.table()
     assert plan.fits and plan.host_peak_bytes == 8 * N + layer_input
-    assert terms(leanest)["gradients"] == 2 * LAYER  # each copied to the host and freed as it completes
+    assert terms(leanest)["gradients"] < 2 * LAYER  # each copied to the host and freed as it completes
 
 
 def test_a_named_optimizer_is_placed_the_fastest_way_that_fits(model):
@@ -194,3 +197,75 @@ def test_the_recompute_runs_are_even():
     runs += [run] if run else []
     assert runs and max(runs) - min(runs) <= 1, plan.placement
     assert plan.fits, plan.table()
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+#: one H200: 2 layers of the 8B and 1B shapes at 16K-128K with each optimizer and placement (offload="cpu"); the 8B
+#: shape at full depth at 128K and scaled at 800K and 1.2M (offload="auto", the optimizer where the plan put it)
+TRAINING_STEPS = sorted([*RESULTS.glob("bench_longctx_nvidia-h200_*_optim_2l.csv"),
+                         *RESULTS.glob("bench_longctx_nvidia-h200_8b_scaled_2l_*.csv"),
+                         RESULTS / "bench_longctx_nvidia-h200_8b_32l_128k_adamw.csv"])
+
+
+def training_step_rows() -> list[tuple[str, int, dict]]:
+    import csv
+    import re
+
+    rows = []
+    for path in TRAINING_STEPS:
+        size = "8b" if "_8b_" in path.name else "1b"
+        layers = int(re.search(r"_(\d+)l(_|\.)", path.name).group(1))
+        rows += [(size, layers, row) for row in csv.DictReader(path.open()) if row["variant"].startswith("loss")]
+    return rows
+
+
+def test_the_plan_meets_every_measured_training_step_within_3_percent():
+    """The peak over whole training steps (forward, backward, the optimizer's step and zero_grad) against the plan
+    of the same model, length, options, optimizer and placement: every row within 3%. Before the optimizer's terms
+    (the step's own moment, foreach's temporaries, 8-bit states, the gradients' lifetime, host placement, the head's
+    gradient at the end of the forward, a tied head's waiting gradient) the same rows were: foreach AdamW 17% low at
+    16K (8B), 8-bit AdamW 11-29% high, stepped in backward up to 10% high, on the host up to 92% high."""
+    from optimizer_step import split
+    from tiledmlp.plan.memory import step_peak
+    from tiledmlp.plan.plans import step_options
+    from tiledmlp.plan.shapes import model_shape
+    from test_memory import placed
+
+    rows = training_step_rows()
+    kinds = {(size, row["optimizer"]) for size, _, row in rows}
+    assert len(rows) >= 33 and {"adamw", "adamw-foreach", "adamw8bit", "adamw:backward", "adamw:host"} <= {
+        k for s, k in kinds if s == "1b"}, kinds
+    models, errors = {}, []
+    for size, layers, row in rows:
+        model = models.setdefault((size, layers), bench_longctx.build_model(
+            dict(bench_longctx.MODELS[size], layers=layers), 1 << 20, torch.device("meta"), torch.bfloat16))
+        parts = set(row["variant"].split("+"))
+        offload = "cpu" if "offload" in parts else "auto" if "auto" in parts else None
+        name, placement = split(row["optimizer"])
+        options = step_options(model, name, placement or row["optimizer_placement"], loss=True, norms="norms" in parts,
+                               attention="attn" in parts, offload=offload)
+        places, keeps = placed(row, layers) if offload == "auto" else ((HOST,) * layers, None)
+        peak = step_peak(model_shape(model), options, int(row["T"]), places, keeps)
+        errors.append((size, layers, row["optimizer"], row["T"], round(peak.gpu_bytes / GIB / float(row["peak_gib"])
+                                                                       - 1, 4)))
+        assert abs(peak.host_bytes / GIB - float(row["predicted_host_gib"])) < 0.01, row  # the run's own plan
+    assert max(abs(e[-1]) for e in errors) <= 0.03, errors
+
+
+def test_the_scaled_training_steps_fell_within_their_share():
+    """The scaled 8B runs (2 of 32 layers): two whole steps on one batch, the loss finite and falling, the optimizer
+    on the host where the whole model's plan put it, the run within its share of the budgets; the whole model's plan
+    at the run's length (the projection the run checks) consistent with the longest length it gives."""
+    import csv
+
+    paths = sorted(RESULTS.glob("bench_longctx_nvidia-h200_8b_scaled_2l_*.csv"))
+    assert len(paths) == 2
+    for path in paths:
+        for row in csv.DictReader(path.open()):
+            losses = [float(v) for v in row["losses"].split(";")]
+            assert len(losses) >= 2 and all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < 20, row
+            assert float(row["peak_gib"]) * 1024 <= float(row["gpu_mib"]), row
+            assert row["optimizer_placement"] == "host" and int(row["scale_to"]) == 32
+            whole_budget = float(row["gpu_mib"]) * 2**20 + (32 - 2) * 2 * LAYER  # the missing layers' weights back
+            whole_fits = float(row["full_plan_gib"]) * GIB <= whole_budget
+            assert whole_fits == (int(row["full_longest"]) >= int(row["T"])), row
