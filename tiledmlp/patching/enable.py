@@ -25,7 +25,7 @@ from ..plan.memory import StepOptions
 from ..plan.plans import OPTIONS_ATTR, AutoPlacement, options_for_length
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
-from .patch import install, tiled_names, uninstall
+from .patch import check_model, install, tiled_names, uninstall
 from .planning import plan
 from .state import PlanOptions, TilingState
 
@@ -148,8 +148,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
+    check_model(model, "enable_tiling")
     check_grouped_kv_under_cp(model)
     seq_len = options.pop("seq_len", None)
     if seq_len is not None:
@@ -266,6 +265,7 @@ def _loss_options(options: dict[str, Any]) -> LossOptions:
 def disable_tiling(model: nn.Module) -> nn.Module:
     """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
     tiled causal LMs); returns ``model``."""
+    check_model(model, "disable_tiling")
     uninstall_attention(model)
     uninstall(model)
     uninstall_follower(model)
@@ -276,4 +276,5 @@ def disable_tiling(model: nn.Module) -> nn.Module:
 
 def tiled_modules(model: nn.Module) -> dict[str, str]:
     """``{qualified name (as model.named_modules() gives it): strategy name}`` for tiled modules."""
+    check_model(model, "tiled_modules")
     return tiled_names(model)

@@ -66,6 +66,7 @@ from typing import Optional, Sequence
 
 from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
 from ..attention.ulysses import slots
+from ..core.logs import counted
 from ..core.sharding import DEFAULT_SCRATCH_MIB
 from ..offload import host
 from .shapes import ModelShape
@@ -237,9 +238,10 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     for i in range(n):
         chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
-        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
+        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept,
+                      f"{counted(on_gpu_below, 'layer')} below layer {i}"),
                  Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
-                      f"{keeps_below} layers below {i}"),
+                      f"{counted(keeps_below, 'layer')} below layer {i}"),
                  Term("the inputs below, for the rebuild", GPU, chain * kept)]
         candidates.append((f"in layer {i}'s backward", fixed + [
             Term("gradients", GPU, grads_from_i,
@@ -267,10 +269,10 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
              else "the logits, their float32 copy and gradient")]))
     moment, terms = max(candidates, key=lambda c: sum(t.nbytes for t in c[1]))
     host = Term("layer inputs on the host (pinned)", HOST, sum(p == HOST for p in places) * kept,
-                f"{sum(p == HOST for p in places)} layers")
+                counted(sum(p == HOST for p in places), "layer"))
     recomputed = sum(p == RECOMPUTE for p in places)
     terms = [t for t in terms if t.nbytes] + [host] + (
-        [Term("layer inputs recomputed", GPU, 0, f"{recomputed} layers: one more layer forward each")]
+        [Term("layer inputs recomputed", GPU, 0, f"{counted(recomputed, 'layer')}: one more layer forward each")]
         if recomputed else [])
     return Peak(sum(t.nbytes for t in terms if t.where == GPU), host.nbytes, moment, tuple(terms))
 
