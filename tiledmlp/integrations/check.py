@@ -42,7 +42,7 @@ PATCHERS = {
                     "RMSNorm): tile the loss with one of the two — enable_tiling(loss=False) beside Liger's fused "
                     "loss, or apply_liger_kernel_to_*(fused_linear_cross_entropy=False) beside tiledmlp's",
     "deepspeed": "DeepSpeed's TiledMLP (ALST) computes it: its parameter gradients are wrong under ZeRO-3, DDP and "
-                 "no_sync (docs/comparison.md); leave it out and let enable_tiling tile the MLP",
+                 "no_sync (docs/distributed.md, 'Failure modes'); leave it out and let enable_tiling tile the MLP",
     "axolotl": "Axolotl patched it (tiled_mlp: true uses DeepSpeed's TiledMLP): set tiled_mlp: false and load "
                "tiledmlp's plugin instead",
     "arctic_training": "ArcticTraining patched it (DeepSpeed's TiledMLP): turn its tiled MLP off and let "

@@ -58,7 +58,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             (default): wherever a causal LM's head can be tiled (a head that cannot — wrapped by an adapter,
             a custom loss function, vocabulary-parallel — is logged and left as it is); ``True``: every
             causal LM's, a ValueError where one cannot be; ``False``: the MLPs only. At long context the
-            logits, not the MLPs, are most of a model's activation memory (README).
+            logits, not the MLPs, are most of a model's activation memory (docs/results.md).
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.core.sharding``):
             for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
             the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
