@@ -4,9 +4,10 @@ The model is built in code from a ``transformers.LlamaConfig`` with random weigh
 downloaded); the data are random tokens, different on every rank. The built-in default is tiny and
 runs on a CPU in seconds; the size flags give real shapes.
 
-    # the README demo: 2 CPU processes (gloo), DDP, tiling on (MLPs and the loss), tiled vs untiled
+    # the README demo (launch/demo.sh): 2 CPU processes (gloo), DDP, tiled (MLPs and the loss) vs untiled, at a
+    # length where the logits dominate: 8,192 tokens per process, a vocabulary of 32,000
     python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py \\
-        --wrap ddp --tiling auto --compare --loss-scratch-mib 0.05
+        --wrap ddp --tiling auto --compare --vocab 32000 --seq-len 8192 --batch-size 1 --steps 2 --tile-tokens auto
 
     # 8 GPUs (NCCL is picked automatically), Llama-3-8B MLP shapes, 32K tokens per sequence
     python -m torch.distributed.run --standalone --nproc-per-node 8 launch/train.py --wrap fsdp2 \\
@@ -15,8 +16,12 @@ runs on a CPU in seconds; the size flags give real shapes.
 
 Rank 0 prints one line per step (loss, tokens/s over all ranks, peak memory of rank 0) and a summary.
 ``--compare`` trains the same model twice from the same seed on the same data, untiled then tiled,
-under the same wrapper, reports the largest relative parameter difference (per tensor, over all
-ranks), and exits with status 1 when it exceeds ``--tol``.
+under the same wrapper; each rank checks its own losses, last gradients and final parameters (the largest
+relative difference, per tensor) and says so; the run exits with status 1 when a rank's exceeds ``--tol``. Rank 0
+then prints each run's peak memory (the largest process's) and time per step. Peak memory: on GPUs torch's peak
+allocated; on a Linux CPU the process's peak resident set (``VmHWM`` in ``/proc/self/status``, reset before each run
+through ``/proc/self/clear_refs``: everything the process touched, torch's allocations and Python's alike), with
+what the process held as the run began.
 
 ``--wrap``: ``none`` (one process, or independent processes), ``ddp`` (DistributedDataParallel),
 ``fsdp2`` (``fully_shard`` per decoder layer and the root), ``fsdp1`` (``FullyShardedDataParallel``
@@ -175,6 +180,15 @@ def shut_down_distributed() -> None:
     dist.destroy_process_group()
 
 
+def in_rank_order(env: Dist, say: Callable[[], None]) -> None:
+    """``say()`` on every rank, rank 0 first, each after the one before it has said its part."""
+    for rank in range(env.world):
+        if rank == env.rank:
+            say()
+        if env.world > 1:
+            dist.barrier()
+
+
 def all_reduce_max(value: float, env: Dist) -> float:
     if env.world == 1:
         return value
@@ -299,11 +313,45 @@ def compute_context(args: argparse.Namespace, env: Dist) -> Callable[[], Context
 # Training
 
 
+def reset_peak_memory(env: Dist) -> bool:
+    """Start a run's peak memory from what the process holds now. GPU: torch's peak allocated. CPU (Linux): the
+    kernel's peak resident set of this process (``VmHWM``), reset to the current resident set by writing 5 to
+    ``/proc/self/clear_refs``. False where it cannot be reset (another OS: the peak is then the process's since it
+    started, which includes an earlier run's)."""
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_mib(env: Dist) -> Optional[float]:
+    """What the process holds now: GPU memory allocated, or (Linux) its resident set (``VmRSS``); None elsewhere."""
+    if env.device.type == "cuda":
+        return torch.cuda.memory_allocated(env.device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def peak_memory_mib(env: Dist) -> tuple[float, str]:
-    """GPU: peak allocated since the run started. CPU: the process's peak resident set (Linux: KiB)."""
+    """GPU: peak allocated since :func:`reset_peak_memory`. CPU: the process's peak resident set since then (Linux's
+    ``VmHWM``; elsewhere since the process started: ``ru_maxrss``, bytes on macOS, KiB on Linux)."""
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device) / 2**20, "allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "RSS"
+    try:
+        with open("/proc/self/status") as status:
+            kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+        return kib / 1024, "resident"
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 2**20 if sys.platform == "darwin" else rss / 1024, "resident"
 
 
 def _sync(env: Dist) -> None:
@@ -315,9 +363,17 @@ def _sync(env: Dist) -> None:
 class Result:
     params: dict[str, torch.Tensor]
     tokens_per_s: float
+    step_s: float  # seconds per step (steps 2+)
     peak_mib: float
-    final_loss: float
+    peak_from_start: bool  # the peak is since this run started (else since the process did: another OS's CPU)
+    start_mib: Optional[float]  # what the process held when the run started (memory_mib)
+    losses: list[float]  # every step's
+    grads: Optional[dict[str, torch.Tensor]]  # this rank's gradients of the last step (None under ZeRO-3: the engine's)
     saved_mib: float  # tensors autograd saved for backward in the first step, parameters excluded
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
 
 
 @contextlib.contextmanager
@@ -358,9 +414,8 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
                   f"strategies {sorted(set(strategies.values()))}, {_shards_described(args)}", flush=True)
     opt = None if args.wrap == "zero3" else torch.optim.AdamW(model.parameters(), lr=args.lr)
     autocast = compute_context(args, env)
-    if env.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(env.device)
-    rates, loss_value, saved = [], math.nan, [0]
+    peak_from_start, start_mib = reset_peak_memory(env), memory_mib(env)
+    rates, seconds_per_step, losses, grads, saved = [], [], [], None, [0]
     for step, tokens in enumerate(batches(args, env)):
         tokens = tokens.to(env.device)
         _sync(env)
@@ -374,20 +429,30 @@ def train(args: argparse.Namespace, env: Dist, tiled: bool) -> Result:
                 model.step()
             else:
                 loss.backward()
+                if step == args.steps - 1:
+                    grads = _local_grads(model)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        loss_value = loss.item()
+        losses.append(loss.item())
         _sync(env)
         seconds = time.perf_counter() - start
+        seconds_per_step.append(seconds)
         rates.append(tokens.numel() * env.world / env.sp / seconds)
         peak, kind = peak_memory_mib(env)
         if env.main:
-            print(f"[{label}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
+            print(f"[{label}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"{rates[-1]:,.0f} tokens/s  peak {kind} {peak:,.0f} MiB", flush=True)
     params = _local_params(model, args)
     # The first step carries one-time costs (allocator warm-up, FSDP lazy init).
-    steady = rates[1:] or rates
-    return Result(params, sum(steady) / len(steady), peak_memory_mib(env)[0], loss_value, saved[0] / 2**20)
+    steady, steady_s = rates[1:] or rates, seconds_per_step[1:] or seconds_per_step
+    return Result(params, sum(steady) / len(steady), sum(steady_s) / len(steady_s), peak_memory_mib(env)[0],
+                  peak_from_start, start_mib, losses, grads, saved[0] / 2**20)
+
+
+def _local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients (its shards under FSDP), as float32 CPU copies."""
+    return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float().cpu().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _local_params(model: nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -440,6 +505,12 @@ def summarize(label: str, result: Result, env: Dist) -> None:
         print(f"[{label}] summary: final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s "
               f"(steps 2+), peak memory {result.peak_mib:,.0f} MiB on rank 0, saved for backward "
               f"{result.saved_mib:,.2f} MiB", flush=True)
+
+
+def _percent(new: float, old: float, more: str, less: str) -> str:
+    """``"72% less"`` / ``"15% more"``: ``new`` against ``old`` in words."""
+    change = (new - old) / old * 100
+    return f"{abs(change):.0f}% {more if change > 0 else less}"
 
 
 def with_sequence_parallel(env: Dist, args: argparse.Namespace) -> Dist:
@@ -503,7 +574,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if env.main:
         print(f"world {env.world} on {env.device.type} ({'nccl' if env.device.type == 'cuda' else 'gloo'}), "
               f"wrap {args.wrap}, dtype {args.dtype}, seq-len {args.seq_len}, batch {args.batch_size}/rank, "
-              f"hidden {args.hidden}, intermediate {args.intermediate}, layers {args.layers}", flush=True)
+              f"hidden {args.hidden}, intermediate {args.intermediate}, layers {args.layers}, vocab {args.vocab}",
+              flush=True)
     try:
         code = run(args, env)
     except BaseException:
@@ -524,17 +596,35 @@ def run(args: argparse.Namespace, env: Dist) -> int:
     summarize("untiled", untiled, env)
     tiled = train(args, env, tiled=True)
     summarize("tiled", tiled, env)
-    diff = all_reduce_max(max_relative_difference(tiled.params, untiled.params), env)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
-    ok = diff <= tol
+    # Each rank checks its own: every step's loss, the last step's gradients (before the optimizer used them), and
+    # the parameters after the last step.
+    params = max_relative_difference(tiled.params, untiled.params)
+    grads = max_relative_difference(tiled.grads, untiled.grads) if tiled.grads and untiled.grads else None
+    losses = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(tiled.losses, untiled.losses))
+    mine = max(params, losses, grads or 0.0)
+    said = (f"compare, rank {env.rank}: tiled vs untiled, the losses of the {args.steps} steps within {losses:.1e}"
+            + (f", the gradients of step {args.steps} within {grads:.1e}" if grads is not None else "")
+            + f", the parameters after it within {params:.1e} (relative; tolerance {tol:.0e}) -> "
+            + ("OK" if mine <= tol else "FAIL"))
+    in_rank_order(env, lambda: print(said, flush=True))
+    worst = all_reduce_max(mine, env)
+    ok = worst <= tol
+    peak = (all_reduce_max(untiled.peak_mib, env), all_reduce_max(tiled.peak_mib, env))
     if env.main:
-        # CPU peak RSS only grows over the process's life, so only GPU peaks are comparable.
-        memory = (f"; peak memory {tiled.peak_mib:,.0f} vs {untiled.peak_mib:,.0f} MiB"
-                  if env.device.type == "cuda" else "")
-        print(f"compare: max relative parameter difference tiled vs untiled after {args.steps} steps: "
-              f"{diff:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; loss {tiled.final_loss:.6f} vs "
-              f"{untiled.final_loss:.6f}; saved for backward {tiled.saved_mib:,.2f} vs {untiled.saved_mib:,.2f} "
-              f"MiB; {tiled.tokens_per_s:,.0f} vs {untiled.tokens_per_s:,.0f} tokens/s{memory}", flush=True)
+        where = ("GPU memory allocated" if env.device.type == "cuda" else
+                 "host memory resident (VmHWM, reset before each run)" if tiled.peak_from_start else
+                 "host memory resident since the process started (includes the untiled run's)")
+        print(f"compare: largest relative difference over {env.world} rank{'s' if env.world > 1 else ''} "
+              f"{worst:.3e} (tolerance {tol:.0e}) -> {'OK' if ok else 'FAIL'}; final loss {tiled.final_loss:.6f} "
+              f"tiled, {untiled.final_loss:.6f} untiled; saved for backward {tiled.saved_mib:,.2f} vs "
+              f"{untiled.saved_mib:,.2f} MiB", flush=True)
+        held = (f"; the process held {untiled.start_mib:,.0f} and {tiled.start_mib:,.0f} MiB as each run began"
+                if untiled.start_mib is not None and tiled.start_mib is not None else "")
+        print(f"peak {where}, the largest process's, a step being forward + backward + AdamW: untiled "
+              f"{peak[0]:,.0f} MiB, tiled {peak[1]:,.0f} MiB ({_percent(peak[1], peak[0], 'more', 'less')}{held}); "
+              f"a step (steps 2+) {untiled.step_s:.1f} s untiled, {tiled.step_s:.1f} s tiled "
+              f"({_percent(tiled.step_s, untiled.step_s, 'slower', 'faster')})", flush=True)
     return 0 if ok else 1
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Import paths of older versions, kept for one minor version: each warns with a ``DeprecationWarning`` naming the
-new path from 0.4.0 and is removed in 0.5.0 (CHANGELOG.md, "Deprecated"; README, "Layout").
+new path from 0.4.0 and is removed in 0.5.0 (CHANGELOG.md, "Deprecated"; docs/api.md, "Import paths that changed").
 
 * :data:`MOVED_MODULES` — the flat modules of tiledmlp 0.1.0, before the subpackages. ``import tiledmlp.function``
   gives the module that holds the code now (``tiledmlp.core.function``, the same object), through a finder on

@@ -6,6 +6,8 @@ gradients by the split degree, tiled as untiled. Needs ``deepspeed`` (the test e
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def test_ulysses_attention_is_exchanged_per_kv_head_slot(suite):
                     assert "exchanged" not in said and "fewer KV heads than ranks" in said, (case, said)
                     assert "short enough for one group" in said, (case, said)
                 else:
-                    assert "Ulysses call(s) exchanged and computed per KV-head slot" in said, (case, said)
+                    assert re.search(r"Ulysses calls? exchanged and computed per KV-head slot", said), (case, said)
                     assert "backward in KV-head groups" not in said, (case, said)
 
 
@@ -68,7 +70,7 @@ def test_ulysses_attention_kept_for_the_recompute_trains_bit_for_bit(suite):
         assert m["kept_vs_plain"] == 0.0 and m["plain_rel"] <= TOL, m
         if any("float32 on a GPU" in said for said in m["kept_attention"]):  # float32 on GPUs: nothing to keep
             continue
-        assert any("forward output(s) kept for the recompute" in said and "reused there" in said
+        assert any(re.search(r"forward outputs? kept for the recompute", said) and "reused there" in said
                    for said in m["kept_attention"]), m
         assert not any("kept" in said for said in m["plain_attention"]), m
 

@@ -44,6 +44,57 @@ def test_bad_arguments_name_the_fix(config_dir):
             check.main(argv)
 
 
+@pytest.mark.parametrize("options, said", [
+    ('{"norms": "x"}', "norms must be True or False, got 'x'"),
+    ('{"offload": "gpu"}', "offload='gpu' is not supported"),
+    ('{"nope": 1}', "enable_tiling got unknown options ['nope']"),
+])
+def test_an_option_refused_is_one_line_not_a_traceback(config_dir, options, said, capsys):
+    """Before: the TypeError or ValueError of enable_tiling ended the command in a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        check.main(["--model", str(config_dir), "--options", options])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(f"tiledmlp-doctor: --options {options}: {said}"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_it_cannot_read_is_one_line_naming_a_local_config(monkeypatch, tmp_path, capsys):
+    """A hub id offline (before: a 40-line OSError traceback), and a path that is not there."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    for model, said in (("some-org/some-model", "could not read the config of 'some-org/some-model': "),
+                        (str(tmp_path / "missing" / "config.json"), "does not exist: pass a config.json")):
+        with pytest.raises(SystemExit) as exited:
+            check.main(["--model", model, "--seq-len", "4096"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 1 and err.startswith("tiledmlp-doctor: ") and said in err, err
+        assert len(err.strip().splitlines()) == 1 and "config.json" in err, err
+
+
+def test_each_plan_printed_is_labelled(config_dir, capsys):
+    """One plan, the whole model's, under a line saying so (before: the one-layer twin's plan and the model's, both
+    unlabelled)."""
+    assert check.main(["--model", str(config_dir), "--seq-len", "8192"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plans = [i for i, line in enumerate(lines) if line.startswith("memory plan: 8,192 tokens")]
+    assert len(plans) == 1 and lines[plans[0] - 1] == (
+        "The whole model's memory plan on this machine (4 layers, bf16 weights and gradients, checkpointed layers, "
+        "no optimizer states):"), "\n".join(lines)
+
+
+def test_python_dash_m_tiledmlp_runs_the_doctor():
+    """Before: ``python -m tiledmlp`` said there is no ``tiledmlp.__main__``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tiledmlp", "--help"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: tiledmlp-doctor"), proc.stdout + proc.stderr
+
+
 def test_deepspeed_s_tiled_mlp_patched_into_a_model_is_a_conflict():
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 

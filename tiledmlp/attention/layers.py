@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..core.logs import warn_once
+from ..core.logs import counted, warn_once
 from ..core.regions import ATTENTION, current_region
 from .norm_outputs import LINEAR, linear_of_norm_output, norm_outputs_remembered
 from .grouped import (KERNELS, SDPA_REFUSES, call_key, grouped_attention, kept_for, kv_heads_per_call, sdpa_kernel_name,
@@ -178,17 +178,18 @@ class GroupedAttentionMode(TorchFunctionMode):
         """What this layer's attention calls did, in words ("" before any call needing a gradient)."""
         parts = []
         if self.exchanged:
-            parts.append(f"{self.exchanged} Ulysses call(s) exchanged and computed per KV-head slot")
-        parts += [f"{n} Ulysses call(s) as DeepSpeed computes them: {why}" for why, n in self.ulysses_untouched.items()]
+            parts.append(f"{counted(self.exchanged, 'Ulysses call')} exchanged and computed per KV-head slot")
+        parts += [f"{counted(n, 'Ulysses call')} as DeepSpeed computes them: {why}"
+                  for why, n in self.ulysses_untouched.items()]
         if self.grouped:
-            parts.append(f"{self.grouped} call(s) with the backward in KV-head groups")
+            parts.append(f"{counted(self.grouped, 'call')} with the backward in KV-head groups")
         if self.whole:
-            parts.append(f"{self.whole} short enough for one group (untouched)")
-        parts += [f"{n} untiled: {why}" for why, n in self.untouched.items()]
+            parts.append(f"{counted(self.whole, 'call')} short enough for one group (untouched)")
+        parts += [f"{counted(n, 'call')} untiled: {why}" for why, n in self.untouched.items()]
         if self.kept:
-            parts.append(f"{self.kept} forward output(s) kept for the recompute, {self.reused} reused there")
+            parts.append(f"{counted(self.kept, 'forward output')} kept for the recompute, {self.reused} reused there")
         if self.of_norm:
-            parts.append(f"{self.of_norm} projection(s) of the norm's output keeping the norm's input")
+            parts.append(f"{counted(self.of_norm, 'projection')} of the norm's output keeping the norm's input")
         return "; ".join(parts)
 
 
@@ -307,8 +308,8 @@ def _said(mode: GroupedAttentionMode) -> str:
         return mode.report()
     if not mode.entered:
         return "not called for training yet"
-    return (f"no F.scaled_dot_product_attention call needing a gradient in {mode.entered} training call(s) (an "
-            "'eager' attention implementation?)")
+    return (f"no F.scaled_dot_product_attention call needing a gradient in {counted(mode.entered, 'training call')} "
+            "(an 'eager' attention implementation?)")
 
 
 def reduce_layer_method(method: types.MethodType) -> Optional[tuple]:

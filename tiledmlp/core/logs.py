@@ -1,15 +1,20 @@
 """Warnings said once per process: a slower path taken again and again is worth one line, not one
-per call."""
+per call; and :func:`counted`, the plain "1 layer" / "2 layers" of the messages."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Hashable
 
-__all__ = ["warn_once", "warn_once_traced", "set_traced"]
+__all__ = ["warn_once", "warn_once_traced", "set_traced", "counted"]
 
 log = logging.getLogger("tiledmlp")
 _SAID: set[Hashable] = set()  # keys of the warnings already logged
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``"1 layer"``, ``"2 layers"``: ``n`` and ``noun``, plural (``plural``, else ``noun + "s"``) unless ``n`` is 1."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def warn_once(key: Hashable, message: str, *args: Any, level: int = logging.WARNING) -> None:

@@ -126,10 +126,10 @@ def _checkpointing_refusal(cfg: Mapping[str, Any], options: dict[str, Any]) -> s
 def check_config(cfg: Mapping[str, Any]) -> None:
     """Refuse, with the fix named, what must not run beside tiledmlp in one Axolotl config (``cfg``, as given or as
     Axolotl validated it): Axolotl's ``tiled_mlp`` (DeepSpeed's TiledMLP, a second tiling of the MLPs, whose
-    parameter gradients are wrong under ZeRO-3, DDP and ``no_sync``: docs/comparison.md); a fused loss of another
-    library (Liger's ``liger_fused_linear_cross_entropy``, ``cut_cross_entropy``) while tiledmlp tiles the loss (its
-    default); ``offload`` or ``seq_len`` without torch's non-reentrant checkpointing; a ``tiledmlp:`` section
-    :func:`tiling_options` cannot read. ValueError; returns nothing."""
+    parameter gradients are wrong under ZeRO-3, DDP and ``no_sync``: docs/distributed.md, "Failure modes"); a fused
+    loss of another library (Liger's ``liger_fused_linear_cross_entropy``, ``cut_cross_entropy``) while tiledmlp tiles
+    the loss (its default); ``offload`` or ``seq_len`` without torch's non-reentrant checkpointing; a ``tiledmlp:``
+    section :func:`tiling_options` cannot read. ValueError; returns nothing."""
     options = tiling_options(cfg)
     if cfg.get("tiled_mlp"):
         raise ValueError("tiledmlp and Axolotl's tiled_mlp (DeepSpeed's TiledMLP) both tile the MLP: set tiled_mlp: "

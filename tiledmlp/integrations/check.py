@@ -1,11 +1,13 @@
-"""``tiledmlp-doctor`` (``python -m tiledmlp.integrations.check``): what this machine has — package versions,
+"""``tiledmlp-doctor`` (``python -m tiledmlp``): what this machine has — package versions,
 devices, the host memory this process may take —, what ``enable_tiling`` would do to a model given by its config
 (which modules it tiles, with which form, and the memory plan for a length), and which known conflicts are present
 (:func:`conflicts`: patches of Liger-Kernel, DeepSpeed's or Axolotl's tiled MLP, Unsloth, in a model).
 
 A model is built from its config only, never downloaded weights: a one-layer twin with random weights on the CPU
 for what ``enable_tiling`` recognizes (every layer of a decoder is the same), and the full model on the meta device
-for the plan (nothing allocated). Costs the twin's build (about 1 GB of host memory for an 8B layer in bf16).
+for the plan (nothing allocated). Costs the twin's build (about 1 GB of host memory for an 8B layer in bf16). What it
+cannot read (a config that is not there, a hub id offline) or an option ``enable_tiling`` refuses ends the command in
+one line naming the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ..patching.describe import describe
 from ..patching.enable import enable_tiling
 from ..plan.plans import plan_memory
 
-__all__ = ["PACKAGES", "PATCHERS", "TILED_ELSEWHERE", "conflicts", "environment", "model_report", "main"]
+__all__ = ["PACKAGES", "PATCHERS", "TILED_ELSEWHERE", "ConfigUnreadable", "conflicts", "environment", "model_report",
+           "main"]
 
 #: the distributions whose versions matter to tiledmlp (the torch stack, the extras, the tools it meets)
 PACKAGES = ("tiledmlp", "torch", "triton", "transformers", "peft", "accelerate", "trl", "deepspeed", "bitsandbytes",
@@ -39,7 +42,7 @@ PATCHERS = {
                     "RMSNorm): tile the loss with one of the two — enable_tiling(loss=False) beside Liger's fused "
                     "loss, or apply_liger_kernel_to_*(fused_linear_cross_entropy=False) beside tiledmlp's",
     "deepspeed": "DeepSpeed's TiledMLP (ALST) computes it: its parameter gradients are wrong under ZeRO-3, DDP and "
-                 "no_sync (docs/comparison.md); leave it out and let enable_tiling tile the MLP",
+                 "no_sync (docs/distributed.md, 'Failure modes'); leave it out and let enable_tiling tile the MLP",
     "axolotl": "Axolotl patched it (tiled_mlp: true uses DeepSpeed's TiledMLP): set tiled_mlp: false and load "
                "tiledmlp's plugin instead",
     "arctic_training": "ArcticTraining patched it (DeepSpeed's TiledMLP): turn its tiled MLP off and let "
@@ -115,6 +118,10 @@ def environment() -> str:
     return "\n".join(lines)
 
 
+class ConfigUnreadable(Exception):
+    """The config of ``--model`` could not be read (a path that is not there, a hub id offline): one line, the fix."""
+
+
 def _load_config(source: str) -> Any:
     from transformers import AutoConfig
 
@@ -122,13 +129,24 @@ def _load_config(source: str) -> Any:
     if path.is_file():  # a config.json
         return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
             AutoConfig.for_model(**json.loads(path.read_text()))
-    return AutoConfig.from_pretrained(source)  # a directory, or a model id in the local cache or on the hub
+    if not path.exists() and (source.startswith(("/", ".", "~")) or source.endswith(".json")):
+        raise ConfigUnreadable(f"{source!r} does not exist: pass a config.json, a directory holding one, or a model "
+                               "id (its config is read from the local cache or the Hugging Face Hub)")
+    try:
+        return AutoConfig.from_pretrained(source)  # a directory, or a model id in the local cache or on the hub
+    except OSError as error:  # transformers' word for "not here, not reachable": its first line says which
+        said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigUnreadable(f"could not read the config of {source!r}: {said} Pass a local config instead: "
+                               "--model path/to/config.json, or a directory holding one") from None
 
 
 def _checkpointed(model: nn.Module) -> nn.Module:
     """``model`` with non-reentrant checkpointing per layer, as a long-context run trains it (``offload`` and the
     plan need it)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # recent transformers (where the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -151,13 +169,16 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
     from transformers import AutoModelForCausalLM
 
     config = _load_config(source)
+    layers = config.get_text_config().num_hidden_layers
     twin = _twin(config)
     found = conflicts(twin)
     tiled = enable_tiling(twin, **{k: v for k, v in options.items() if k not in ("gpu_mib", "host_mib", "seq_len")})
     given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-    lines = [f"{source}: {type(twin).__name__}, {config.get_text_config().num_hidden_layers} layers; "
+    modules = describe(tiled, seq_len)
+    modules.memory = None  # the one-layer twin's plan: not the model's (planned whole below)
+    lines = [f"{source}: {type(twin).__name__}, {layers} layers; "
              f"enable_tiling(model{', ' + given if given else ''}) would tile (one layer shown: every layer is alike):",
-             str(describe(tiled, seq_len))]
+             str(modules)]
     lines += [f"conflict: {name}: {why}" for name, why in found.items()]
     if seq_len:
         with torch.device("meta"):
@@ -165,7 +186,8 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
         planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "scratch_mib", "projections")
                    if k in options}
         plan = plan_memory(full, seq_len, gpu_mib=options.get("gpu_mib"), host_mib=options.get("host_mib"), **planned)
-        lines.append(str(plan))
+        lines += [f"The whole model's memory plan on this machine ({layers} layers, bf16 weights and gradients, "
+                  "checkpointed layers, no optimizer states):", str(plan)]
     return "\n".join(lines)
 
 
@@ -182,11 +204,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--options takes a JSON object of enable_tiling's options: {error}")
     if not isinstance(options, dict):
         parser.error("--options takes a JSON object of enable_tiling's options")
+    if args.seq_len and not args.model:
+        parser.error("--seq-len plans a model's step: give --model too")
     print(environment())
     if args.model:
-        print(model_report(args.model, args.seq_len, **options))
-    elif args.seq_len:
-        parser.error("--seq-len plans a model's step: give --model too")
+        try:
+            report = model_report(args.model, args.seq_len, **options)
+        except ConfigUnreadable as error:
+            parser.exit(1, f"{parser.prog}: {error}\n")
+        except (TypeError, ValueError) as error:  # the options refused, as enable_tiling and plan_memory say it
+            parser.exit(2, f"{parser.prog}: --options {args.options}: {error}\n")
+        print(report)
     return 0
 
 

@@ -12,14 +12,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..core.logs import warn_once
+from ..core.logs import counted, warn_once
 from ..core.regions import KEEPABLE, CheckpointRegion
 from .chain import LayerCall, recompute_run, rng_state
 from .host import HostOffload
 
 log = logging.getLogger("tiledmlp")
 
-__all__ = ["OFFLOAD_TARGETS", "PLACES", "LayerPlacement", "OffloadingCheckpointFunc", "checkpoint",
+__all__ = ["OFFLOAD_TARGETS", "PLACES", "SMALL", "LayerPlacement", "OffloadingCheckpointFunc", "checkpoint",
            "checkpointed_layers", "install_offload", "uninstall_offload", "offloaded_layers", "offload_problems",
            "offloader_for", "layer_placement", "checkpointing_modules", "pinned_bytes"]
 
@@ -87,6 +87,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] 
 
 
 PLACES = ("gpu", "host", "recompute")
+SMALL = "small"  # a layer input under the offloader's threshold (host.MIN_BYTES): left where it is
 
 
 class LayerPlacement:
@@ -108,6 +109,9 @@ class LayerPlacement:
         # calls per place, the inputs a chain freed and rebuilt, the calls that kept something for their recompute
         # (tests, describe)
         self.stats = {"gpu": 0, "host": 0, "recompute": 0, "freed": 0, "rebuilt": 0, "kept": 0}
+        # layer index -> where its input waited in the layer's last call needing a gradient, on any device: one of
+        # PLACES, or SMALL (too small to move: left where it was, as plain checkpointing keeps it) (describe)
+        self.last: dict[int, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "previous": None}
@@ -128,6 +132,11 @@ class LayerPlacement:
 
     def keeps_of(self, index: int) -> frozenset[str]:
         return self.keeps[index] if index < len(self.keeps) else frozenset()
+
+    @property
+    def offload(self) -> str:
+        """The ``offload`` option this placement executes: ``"auto"`` (the memory plan decides), else ``"cpu"``."""
+        return "cpu" if self.decide is None else "auto"
 
     @property
     def chains(self) -> bool:
@@ -162,9 +171,10 @@ class OffloadingCheckpointFunc:
             return self.original(function, *args, **kwargs)
         offloader = offloader_for(device)
         positions = [i for i, a in enumerate(args) if offloader.wants(a)]
-        if not positions:
-            return self.original(function, *args, **kwargs)
         placement = self.placement
+        if not positions:
+            placement.last[self.index] = SMALL
+            return self.original(function, *args, **kwargs)
         place = placement.place(self.index, sum(args[i].numel() * args[i].element_size() for i in positions))
         previous = placement.previous
         if place == "recompute" and (previous is None or len(positions) != 1 or not previous.feeds(args[positions[0]])):
@@ -175,6 +185,7 @@ class OffloadingCheckpointFunc:
                 warn_once(("recompute moved", self.index), "offload='auto': checkpointed layer %d is offloaded to the "
                           "host instead of recomputed: %s", self.index, placement.moved[self.index])
         placement.stats[place] += 1
+        placement.last[self.index] = place
         rng = rng_state(device) if placement.chains else None
         present: Callable[[], None] = _nothing
         keeps = placement.keeps_of(self.index)
@@ -293,14 +304,16 @@ class _KeepOffloading:
             else:
                 _wrap(layer, index, self.placement)
                 wrapped.append(name)
+        offload = self.placement.offload
         if wrapped:
-            log.info("offload='cpu': the checkpoint function of %d layers was replaced since enable_tiling "
-                     "(gradient_checkpointing_enable?); their inputs are offloaded again", len(wrapped))
+            log.info("offload=%r: the checkpoint function of %s was replaced since enable_tiling "
+                     "(gradient_checkpointing_enable?); their inputs are offloaded again", offload,
+                     counted(len(wrapped), "layer"))
         self.problems = {name: problem for problem, names in problems.items() for name in names}
         for problem, names in problems.items():
-            warn_once(("offload off", tuple(names), problem), "offload='cpu': the inputs of %d layers (%s) stay on the "
-                      "device from now on: %s", len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
-                      problem)
+            warn_once(("offload off", tuple(names), problem), "offload=%r: the inputs of %s (%s) stay on the device "
+                      "from now on: %s", offload, counted(len(names), "layer"),
+                      ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""), problem)
 
 
 def install_offload(model: torch.nn.Module, layers: list[torch.nn.Module],

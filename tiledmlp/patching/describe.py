@@ -28,6 +28,7 @@ from torch import nn
 
 from ..attention.layers import attention_layers
 from ..core.accumulate import block_scaled
+from ..core.logs import counted
 from ..core.sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
                              moe_scratch_per_token, norm_scratch_per_token)
 from ..distributed.tensor_parallel import read_style
@@ -35,16 +36,18 @@ from ..forms.kind import Kind
 from ..forms.moe import ExpertsLayout
 from ..forms.quant import QuantizedLinear
 from ..loss.heads import HeadSpec
-from ..offload.checkpointing import PLACES, layer_placement, offload_problems, offloaded_layers
+from ..offload.checkpointing import SMALL, LayerPlacement, layer_placement, offload_problems, offloaded_layers
 from ..plan.plans import MemoryPlan, plan_memory
 from .call_spec import TiledCallSpec
-from .patch import tiled_states
+from .patch import check_model, tiled_states
 from .state import TilingState
 
 __all__ = ["TileInfo", "Description", "describe", "log_summary", "DEFAULT_DESCRIBE_TOKENS"]
 
 log = logging.getLogger("tiledmlp")
 DEFAULT_DESCRIBE_TOKENS = 131072  # the sequence length of enable_tiling's summary line
+#: what a model without a tiled module is described as
+NOT_TILED = "not tiled: no module of this model is tiled (tiledmlp.enable_tiling(model) tiles it)"
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class Description(dict):
 
     def __init__(self, infos: dict[str, TileInfo], tokens: Optional[int], offloaded: Sequence[str] = (),
                  not_offloaded: Optional[dict[str, str]] = None, attention: Optional[dict[str, str]] = None,
-                 on_cpu: bool = False, memory: Optional[MemoryPlan] = None, placed: str = "") -> None:
+                 on_cpu: bool = False, memory: Optional[MemoryPlan] = None, placed: str = "",
+                 offload: str = "cpu") -> None:
         super().__init__(infos)
         self.tokens = tokens
         self.on_cpu = on_cpu  # every parameter of the model is in host memory
@@ -90,28 +94,30 @@ class Description(dict):
         # plan: no decoder config or no checkpointed layers)
         self.memory = memory
         self.placed = placed  # offload="auto": where the last step's layer inputs waited ("not run yet" before one)
+        self.offload = offload  # the offload option of the offloaded layers: "cpu" or "auto"
 
     def summary(self) -> str:
         """One line: ``tiled 32 MLPs: 32 glu, strategy fsdp2, ~448 MiB scratch at 128K tokens``."""
         infos = list(self.values())
+        if not infos:
+            return NOT_TILED
         mlps = [i for i in infos if i.form not in (Kind.LOSS, Kind.NORM, Kind.PROJ)]
         forms = {f: sum(i.form == f for i in mlps) for f in (Kind.GLU, Kind.MLP, Kind.MOE, Kind.GENERIC)}
-        parts = [f"tiled {len(mlps)} MLP{'s' if len(mlps) != 1 else ''}"
+        parts = [f"tiled {counted(len(mlps), 'MLP')}"
                  + (": " + ", ".join(f"{n} {f}" for f, n in forms.items() if n) if mlps else "")]
         norms = sum(i.form == Kind.NORM for i in infos)
         if norms:
-            parts.append(f"{norms} normalization layer{'s' if norms != 1 else ''}")
+            parts.append(counted(norms, "normalization layer"))
         projections = sum(i.form == Kind.PROJ for i in infos)
         if projections:
-            parts.append(f"{projections} LoRA projection{'s' if projections != 1 else ''}")
+            parts.append(counted(projections, "LoRA projection"))
         heads = [(i.name or "<root>") + (f" (untiled: {i.fallback})" if i.fallback else "")
                  for i in infos if i.form == Kind.LOSS]
         if heads:
             parts.append(f"loss tiled at {', '.join(heads)}")
         fell_back = Counter(i.fallback for i in infos if i.fallback and i.form != Kind.LOSS)
         if fell_back:  # what calls did instead of what was planned, as the table's rows say
-            n = sum(fell_back.values())
-            parts.append(f"{n} module{'s' if n != 1 else ''} not as planned ("
+            parts.append(f"{counted(sum(fell_back.values()), 'module')} not as planned ("
                          + "; ".join(f"{k} x {why}" for why, k in fell_back.most_common(2))
                          + ("; ..." if len(fell_back) > 2 else "") + ")")
         strategies = sorted({i.strategy for i in infos})
@@ -120,23 +126,27 @@ class Description(dict):
         if sized and self.tokens:
             # Modules run one after another: the peak is the largest, not the sum.
             parts.append(f"~{max(sized) / 2**20:.0f} MiB scratch at {_tokens(self.tokens)} tokens")
+        layers = counted(len(self.offloaded), "layer")
         if self.offloaded and self.placed:
-            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers placed by the memory plan "
+            parts.append(f"checkpointed inputs of {layers} placed by the memory plan "
                          f"(offload='auto'; last step: {self.placed})")
         elif self.offloaded:
-            parts.append(f"checkpointed inputs of {len(self.offloaded)} layers offloaded to host"
+            parts.append(f"checkpointed inputs of {layers} offloaded to host"
                          + (" (the model is on the CPU: copied within host memory, nothing saved)"
                             if self.on_cpu else ""))
         if self.not_offloaded:
-            parts.append(f"offload='cpu' off for {len(self.not_offloaded)} layers: "
+            parts.append(f"offload={self.offload!r} off for {counted(len(self.not_offloaded), 'layer')}: "
                          f"{sorted(set(self.not_offloaded.values()))[0]}")
         if self.attention:
-            parts.append(f"attention=True in {len(self.attention)} layers"
-                         + "".join(f" ({n} layers: {what})" for what, n in
-                                   Counter(self.attention.values()).most_common(2)))
+            said = Counter(self.attention.values())
+            parts.append(f"attention=True in {counted(len(self.attention), 'layer')} ("
+                         + ("; ".join(f"in {counted(n, 'layer')}: {what}" for what, n in said.most_common(2))
+                            if len(said) > 1 else next(iter(said))) + ("; ..." if len(said) > 2 else "") + ")")
         return ", ".join(parts)
 
     def __str__(self) -> str:
+        if not self:
+            return self.summary()
         head = ("name", "form", "strategy", "shards x tokens", "scratch", "computes / why generic")
         rows = [head] + [(
             i.name or "<root>", i.form, i.strategy,
@@ -262,6 +272,7 @@ def describe(model: nn.Module, seq_len: Optional[int] = None) -> Description:
     only. ``model`` may be the wrapper:
     strategies are resolved against its current wrapping. Costs no computation and no communication.
     """
+    check_model(model, "describe")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be a positive int (tokens per call) or None, got {seq_len!r}")
     description = _described(model, seq_len)
@@ -278,20 +289,22 @@ def _described(model: nn.Module, seq_len: Optional[int]) -> Description:
             infos[name] = replace(info, fallback=f"its submodules changed since enable_tiling ({changes}): planned "
                                   "again at its next call")
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model),
-                       on_cpu, placed=_placed(model))
-
-
-def _placed(model: nn.Module) -> str:
-    """offload="auto": how many layer inputs the last step kept, sent to the host and recomputed ("" otherwise)."""
     placement = layer_placement(model)
-    if placement is None or placement.decide is None:
+    return Description(infos, seq_len, offloaded_layers(model), offload_problems(model), attention_layers(model),
+                       on_cpu, placed=_placed(placement), offload=placement.offload if placement else "cpu")
+
+
+def _placed(placement: Optional[LayerPlacement]) -> str:
+    """offload="auto": where the layer inputs waited in each layer's last call, on any device: how many were kept,
+    sent to the host, recomputed, or too small to move ("" otherwise)."""
+    if placement is None or placement.offload != "auto":
         return ""
-    if not any(placement.stats[p] for p in PLACES):
+    if not placement.last:
         return "not run yet"
-    counts = Counter(placement.places)
+    counts = Counter(placement.last.values())
     return ", ".join(f"{counts[p]} {word}" for p, word in (("gpu", "kept"), ("host", "on the host"),
-                                                            ("recompute", "recomputed")) if counts[p])
+                                                            ("recompute", "recomputed"),
+                                                            (SMALL, "kept (too small to move)")) if counts[p])
 
 
 def _memory_plan(model: nn.Module, seq_len: Optional[int]) -> Optional[MemoryPlan]:

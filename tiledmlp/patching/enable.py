@@ -28,7 +28,7 @@ from ..plan.optimizer import optimizer_memory, placements_for
 from ..plan.plans import OPTIONS_ATTR, AutoPlacement, options_for_length
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
-from .patch import install, tiled_names, uninstall
+from .patch import check_model, install, tiled_names, uninstall
 from .planning import plan
 from .state import PlanOptions, TilingState
 
@@ -61,7 +61,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             (default): wherever a causal LM's head can be tiled (a head that cannot — wrapped by an adapter,
             a custom loss function, vocabulary-parallel — is logged and left as it is); ``True``: every
             causal LM's, a ValueError where one cannot be; ``False``: the MLPs only. At long context the
-            logits, not the MLPs, are most of a model's activation memory (README).
+            logits, not the MLPs, are most of a model's activation memory (docs/results.md).
         num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.core.sharding``):
             for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
             the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
@@ -158,8 +158,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"enable_tiling takes an nn.Module, got {type(model).__name__}")
+    check_model(model, "enable_tiling")
     check_grouped_kv_under_cp(model)
     _check_optimizer(model, options.get("optimizer"), options.get("optimizer_placement"))
     seq_len = options.pop("seq_len", None)
@@ -302,6 +301,7 @@ def _loss_options(options: dict[str, Any]) -> LossOptions:
 def disable_tiling(model: nn.Module) -> nn.Module:
     """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
     tiled causal LMs); returns ``model``."""
+    check_model(model, "disable_tiling")
     uninstall_attention(model)
     uninstall(model)
     uninstall_follower(model)
@@ -312,4 +312,5 @@ def disable_tiling(model: nn.Module) -> nn.Module:
 
 def tiled_modules(model: nn.Module) -> dict[str, str]:
     """``{qualified name (as model.named_modules() gives it): strategy name}`` for tiled modules."""
+    check_model(model, "tiled_modules")
     return tiled_names(model)

@@ -27,7 +27,13 @@ from .state import STATE_ATTR, TilingState, original_forward
 
 log = logging.getLogger("tiledmlp")
 
-__all__ = ["install", "add", "uninstall", "tiled_names", "tiled_states"]
+__all__ = ["install", "add", "uninstall", "tiled_names", "tiled_states", "check_model"]
+
+
+def check_model(model: object, call: str) -> None:
+    """TypeError, naming what ``call`` takes, unless ``model`` is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call} takes the model (a torch.nn.Module, bare or wrapped), got {type(model).__name__}")
 
 
 def install(model: nn.Module, states: dict[str, TilingState]) -> None:

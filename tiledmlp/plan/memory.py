@@ -71,6 +71,7 @@ from typing import Optional, Sequence
 
 from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
 from ..attention.ulysses import slots
+from ..core.logs import counted
 from ..core.sharding import DEFAULT_SCRATCH_MIB, ShardPolicy, mlp_scratch_per_token
 from ..offload import host
 from .optimizer import NO_OPTIMIZER, OptimizerMemory
@@ -265,9 +266,10 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     for i in range(n):
         chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
-        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept, f"{on_gpu_below} layers below {i}"),
+        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept,
+                      f"{counted(on_gpu_below, 'layer')} below layer {i}"),
                  Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
-                      f"{keeps_below} layers below {i}"),
+                      f"{counted(keeps_below, 'layer')} below layer {i}"),
                  Term("the inputs below, for the rebuild", GPU, chain * kept)]
         gradients = (Term("gradients", GPU, shape.tied_grad_bytes + _mlp_gradients_beyond_scratch(
                               shape, options, tokens, scratch, shape.layer_unit_grad_bytes[i]),
@@ -308,11 +310,11 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
                  optimizer.spec.implementation)]))
     moment, terms = max(candidates, key=lambda c: sum(t.nbytes for t in c[1]))
     host = [Term("layer inputs on the host (pinned)", HOST, sum(p == HOST for p in places) * kept,
-                 f"{sum(p == HOST for p in places)} layers"),
+                 counted(sum(p == HOST for p in places), "layer")),
             Term("optimizer on the host (pinned)", HOST, optimizer.host_bytes, "states, parameter and gradient copies")]
     recomputed = sum(p == RECOMPUTE for p in places)
     terms = [t for t in terms + host if t.nbytes or t is host[0]] + (
-        [Term("layer inputs recomputed", GPU, 0, f"{recomputed} layers: one more layer forward each")]
+        [Term("layer inputs recomputed", GPU, 0, f"{counted(recomputed, 'layer')}: one more layer forward each")]
         if recomputed else [])
     return Peak(sum(t.nbytes for t in terms if t.where == GPU), sum(t.nbytes for t in host), moment, tuple(terms))
 

@@ -219,7 +219,7 @@ def test_eager_attention_and_evaluation_are_reported_not_changed(caplog):
         model = tiledmlp.enable_tiling(build("llama"), attention=True)  # "eager": matmul and softmax, no SDPA call
     # nothing is known before a call: enable_tiling's summary does not guess (before: "no ... call seen yet (an
     # 'eager' attention implementation?)")
-    assert "attention=True in 2 layers (2 layers: not called for training yet)" in caplog.text, caplog.text
+    assert "attention=True in 2 layers (not called for training yet)" in caplog.text, caplog.text
     assert "eager" not in caplog.text
     caplog.clear()
     ids = batch(t=19)

@@ -48,7 +48,7 @@ def test_kept_outputs_train_bit_for_bit_like_checkpointing(places, keeps):
     per_layer = [(m.kept, m.reused) for m in modes(model)]
     assert per_layer == [(3, 3) if k else (0, 0) for k in keeps]  # 3 steps: kept in forward, reused in recompute
     assert checkpointing.layer_placement(model).stats["kept"] == 3 * sum(keeps)
-    assert "forward output(s) kept for the recompute" in tiledmlp.describe(model).attention[
+    assert "forward outputs kept for the recompute" in tiledmlp.describe(model).attention[
         "model.layers.0.self_attn" if keeps[0] else "model.layers.3.self_attn"]
 
 

@@ -76,3 +76,50 @@ def test_summary_carries_what_modules_did_instead(caplog):
     model(input_ids=ids, labels=ids).loss.backward()
     assert "2 modules not as planned (2 x hooks on down_proj: calls take the generic form)" in \
         tiledmlp.describe(model).summary()
+
+
+def test_an_untiled_model_is_described_as_untiled():
+    """Before: ``tiled 0 MLPs, strategies`` with nothing after it, and an empty table's header."""
+    model = build("llama")
+    said = "not tiled: no module of this model is tiled (tiledmlp.enable_tiling(model) tiles it)"
+    assert tiledmlp.describe(model).summary() == said and str(tiledmlp.describe(model)) == said
+    tiledmlp.disable_tiling(tiledmlp.enable_tiling(model))
+    assert str(tiledmlp.describe(model, seq_len=4096)) == said
+
+
+@pytest.mark.parametrize("call", ["describe", "disable_tiling", "tiled_modules"])
+def test_what_is_not_a_model_is_refused_naming_what_is_taken(call):
+    """Before: ``AttributeError: 'str' object has no attribute 'modules'``."""
+    with pytest.raises(TypeError, match=rf"^{call} takes the model \(a torch.nn.Module, bare or wrapped\), got str$"):
+        getattr(tiledmlp, call)("x")
+
+
+def test_the_last_step_is_said_whatever_the_size_of_its_layer_inputs():
+    """offload="auto" on a model whose layer inputs are too small to move (under ``host.MIN_BYTES``, as on a tiny
+    model on the CPU): the step ran, and describe says where the inputs waited (before: "last step: not run yet")."""
+    model = build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tiledmlp.enable_tiling(model, offload="auto")
+    assert "(offload='auto'; last step: not run yet)" in tiledmlp.describe(model).summary()
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert "checkpointed inputs of 2 layers placed by the memory plan (offload='auto'; last step: 2 kept (too small " \
+        "to move))" in tiledmlp.describe(model).summary()
+
+
+def test_layers_whose_inputs_stay_on_the_device_name_the_offload_given(caplog):
+    """offload="auto", then checkpointing switched to reentrant: the summary and the warning name offload='auto'
+    (before: "offload='cpu' off for 2 layers")."""
+    model = build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tiledmlp.enable_tiling(model, offload="auto")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ids = batch()
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    summary = tiledmlp.describe(model).summary()
+    assert "offload='auto' off for 2 layers: it now checkpoints with" in summary, summary
+    assert "offload='cpu'" not in summary + caplog.text
+    assert "offload='auto': the inputs of 2 layers (model.layers.0, model.layers.1) stay on the device" in caplog.text

@@ -197,3 +197,14 @@ def test_default_host_budget_counts_the_buffers_already_pinned(monkeypatch):
     assert plans.budgets(model)[1] == (10 << 30) - plans.HOST_MARGIN
     checkpointing.offloader_for(torch.device("meta")).stats["host_bytes"] = 3 << 30
     assert plans.budgets(model)[1] == (13 << 30) - plans.HOST_MARGIN
+
+
+def test_the_plan_counts_in_plain_words():
+    """A 2-layer step with every input kept on the device peaks in layer 1's backward, one layer input below it (before:
+    "1 layers below 1"; the host term "0 layers")."""
+    plan = tiledmlp.plan_memory(meta_model("8b", 2), 131072, norms=True, attention=False, offload="auto",
+                                gpu_mib=200 << 10, host_mib=0)
+    assert plan.placement == (GPU, GPU) and plan.peak.moment == "in layer 1's backward", plan.table()
+    notes = {t.name: t.note for t in plan.peak.terms}
+    assert notes["layer inputs kept on the device"] == "1 layer below layer 1", plan.table()
+    assert notes["layer inputs on the host (pinned)"] == "0 layers", plan.table()
