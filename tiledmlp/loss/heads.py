@@ -97,6 +97,9 @@ class LossOwner:
     # Called with the model when its output layer is no longer ``head`` (resize_token_embeddings replaces an
     # untied head): moves the tiling to the new one (``patching``), or says why it cannot.
     on_new_head: Optional[Callable[[nn.Module], None]] = None
+    # Why the loss is computed untiled from now on ("" while it is tiled): the output layer was replaced by one the
+    # tiled loss cannot compute (a LoRA-wrapped head, which calls ``head`` as its base layer and adds to its output)
+    untiled: str = ""
 
     def follow_head(self, lm: nn.Module) -> None:
         """Move the tiling to ``lm``'s output layer if it is no longer ``head`` (see ``on_new_head``)."""
@@ -104,7 +107,8 @@ class LossOwner:
             self.on_new_head(lm)
 
     def wants_placeholder(self) -> bool:
-        return len(self.calls) > 0 and self.calls[-1].labels  # len, not bool(list): Dynamo traces it (torch 2.11)
+        # len, not bool(list): Dynamo traces it (torch 2.11)
+        return not self.untiled and len(self.calls) > 0 and self.calls[-1].labels
 
     def materialized(self, op: str) -> None:
         if self.calls and self.calls[-1].materialized_by is None:
