@@ -13,13 +13,13 @@ from typing import Any, Optional, Sequence
 import torch.nn.functional as F
 from torch import nn
 
-from ..forms.base import Slot, is_plain_linear, is_quantized
+from ..forms.base import Slot, is_plain_linear, is_quantized, parametrized
 from ..forms.kind import Kind
 from ..forms.lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from ..forms.mlp import MLPLayout, Proj
 from ..forms.quant import QuantizedLinear, quantized_linear
 
-__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "proj_of", "candidate_layouts",
+__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "registered", "proj_of", "candidate_layouts",
            "hidden_sizes", "MLP_NAMES", "ACT_ATTRS"]
 
 #: child-name sets that mark a module as an MLP where the probe cannot run (sharded parameters); the
@@ -66,27 +66,31 @@ class LinearLike:
 
 
 def _is_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2 family): ``addmm(bias, x, weight)`` with weight ``[in, out]``."""
-    cls = type(m)
+    """Hugging Face's ``Conv1D`` (GPT-2 family): ``addmm(bias, x, weight)`` with weight ``[in, out]``; parametrized
+    too (``torch.nn.utils.parametrize`` makes its class a subclass of it)."""
+    cls = type(m).__bases__[0] if parametrized(m) else type(m)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(m, "nf")
 
 
 def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
     """``m`` as a :class:`LinearLike`, or None."""
     quant = quantized_linear(m)  # a 4-bit Linear4bit: plain but for its packed weight
+    # A parametrized linear (weight_norm, ...) computes its weight from other parameters at each read: a projection,
+    # wrapped (its weight slot is no parameter), so its MLP takes the generic form, which runs its forward
+    wrapper = parametrized(m)
     # A Linear subclass with a forward of its own (Falcon's FalconLinear) is a candidate too: the probe checks that
     # the module computes what the fast form does with its weights (else: the generic form). Quantized weights
     # (bitsandbytes' 8-bit Linear) are not: the probe cannot swap them.
     if is_plain_linear(m) or quant is not None or (isinstance(m, nn.Linear) and not is_quantized(m.weight)):
         bias = Slot(m, "bias") if m.bias is not None else None
-        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant)
+        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant, wrapper=wrapper)
     if _is_conv1d(m):
         weight = m.__dict__.get("_parameters", {}).get("weight")
         n_in = getattr(m, "nx", None) or (weight.shape[0] if weight is not None and weight.dim() == 2 else None)
         if n_in is None:
             return None
         bias = Slot(m, "bias") if getattr(m, "bias", None) is not None else None
-        return LinearLike(name, n_in, m.nf, Slot(m, "weight"), bias, transposed=True)
+        return LinearLike(name, n_in, m.nf, Slot(m, "weight"), bias, transposed=True, wrapper=wrapper)
     if is_peft_lora(m):
         inner = linear_like(name, m.base_layer)
         if inner is not None and inner.adapter is None and not inner.wrapper:
@@ -129,6 +133,12 @@ def activation_name(act: Any) -> Optional[str]:
 
 def slot_index(slot: Slot, where: dict[tuple[int, str], int]) -> int:
     return where[(id(slot.owner), slot.name)]
+
+
+def registered(lin: LinearLike, where: dict[tuple[int, str], int]) -> bool:
+    """Whether ``lin``'s weight and bias are parameters among ``where``'s slots (not a parametrized tensor, nor one a
+    hook or the user set as a plain attribute): the probe and the fast forms read only those."""
+    return all((id(s.owner), s.name) in where for s in (lin.weight, lin.bias) if s is not None)
 
 
 def proj_of(lin: LinearLike, where: dict[tuple[int, str], int]) -> Proj:

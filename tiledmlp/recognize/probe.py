@@ -147,15 +147,19 @@ class Probe:
         self.proxies[adapter.a] = torch.randn(a.shape, generator=gen, device=a.device, dtype=a.dtype) * w_std
         self.proxies[adapter.b] = torch.randn(b.shape, generator=gen, device=b.device, dtype=b.dtype) * b_std
 
-    def tokens(self, hidden: int, reader: LinearLike, where: dict[tuple[int, str], int]) -> None:
+    def tokens(self, hidden: int, reader: Optional[LinearLike], where: dict[tuple[int, str], int]) -> None:
         """Draw ``hidden``-wide probe tokens, scaled so ``reader`` (a child reading the input) gives
-        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``."""
-        w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]]
-        dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=w.device, dtype=dtype)
-        pre = x @ (w if reader.transposed else w.t())
-        self.x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
+        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``; unscaled without one (only parametrized
+        children read the input: the module takes the generic form, and the tokens only check it per token)."""
+        w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]] if reader is not None else None
+        like = w if w is not None else self.proxies[0]
+        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=like.device, dtype=dtype)
+        if w is not None:
+            pre = x @ (w if reader.transposed else w.t())
+            x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
+        self.x = x
         self.hidden = hidden
 
     def given(self, x: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ restores the model bit for bit, and bad input is refused with the fix named."""
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 
 import pytest
@@ -496,3 +497,30 @@ def test_evaluation_with_labels_gives_the_untiled_loss_and_logits(family, mode):
         assert isinstance(got.logits, LazyLogits)
         torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=0)
         torch.testing.assert_close(got.logits.float(), want.logits.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_parametrized_head_is_refused_before_tiling_and_untiled_after(caplog):
+    """A head whose weight a parametrization computes (``weight_norm``): ``loss=True`` refuses it, naming the
+    parametrization and the fix (before: tiled with its strategy misread as FSDP1's, since the slot held no
+    parameter); by default its loss is left untiled; parametrized after ``enable_tiling``, its calls compute the
+    untiled loss, said once and in describe(). The model trains as untiled in each case."""
+    weight_norm = torch.nn.utils.parametrizations.weight_norm
+    parametrized = build_lm("llama")
+    weight_norm(parametrized.lm_head)
+    with pytest.raises(ValueError, match=r"parametrized \(weight by _WeightNorm\).*remove_parametrizations.*loss=False"):
+        tiledmlp.enable_tiling(copy.deepcopy(parametrized), loss=True)
+    default = tiledmlp.enable_tiling(copy.deepcopy(parametrized), num_shards=3)
+    assert "lm_head" not in tiledmlp.tiled_modules(default)
+    after = tiled_copy(build_lm("llama"))
+    weight_norm(after.lm_head)
+    after.load_state_dict(parametrized.state_dict())
+    ids = batch()
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        for model in (default, after):
+            for _ in range(2):
+                assert_close_rel(step(model, ids), step(parametrized, ids), TOL, "loss")
+                assert_grads_match(model, parametrized, TOL)
+                for m in (model, parametrized):
+                    m.zero_grad()
+    assert caplog.text.count("since enable_tiling, so its calls compute the full logits") == 1, caplog.text
+    assert "parametrized" in tiledmlp.describe(after)["lm_head"].fallback

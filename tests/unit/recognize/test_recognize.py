@@ -163,6 +163,79 @@ def test_decoys_stay_generic_with_a_reason_and_exact(decoy, caplog):
     check_exact(tiled, ref)
 
 
+class _Double(nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def _weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.down_proj)
+    return "down_proj: parametrized (weight by _WeightNorm)"
+
+
+def _doubled_up(mlp):
+    nn.utils.parametrize.register_parametrization(mlp.up_proj, "weight", _Double())
+    return "up_proj: parametrized (weight by _Double)"
+
+
+def _conv1d_weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.c_fc)
+    return "c_fc: parametrized (weight by _WeightNorm)"
+
+
+def _lora_a_weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.gate_proj.lora_A["default"])
+    return "its adapter's A or B is parametrized (weight by _WeightNorm)"
+
+
+def _lora_glu_with_b():
+    return _lora_glu(0.0)
+
+
+PARAMETRIZED = {  # name: (module, parametrize it (returns what the reason names))
+    "weight_norm": (llama_mlp, _weight_norm),
+    "register_parametrization": (llama_mlp, _doubled_up),
+    "conv1d_weight_norm": (STYLES["gpt2-conv1d"][0], _conv1d_weight_norm),
+    "lora_adapter_weight_norm": (_lora_glu_with_b, _lora_a_weight_norm),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("case", list(PARAMETRIZED))
+def test_a_parametrized_projection_takes_the_generic_form_and_is_exact(case, when, caplog):
+    """A projection whose weight a parametrization computes (``weight_norm``, ``register_parametrization``), before
+    ``enable_tiling`` or after it: the generic form (the module's own forward, which computes the weight), with the
+    parametrization named; same outputs and gradients as untiled, the parametrizations' parameters included. Before:
+    ``KeyError: (<id>, 'weight')`` (recognition looked the weight up among the parameters)."""
+    factory, parametrize = PARAMETRIZED[case]
+    torch.manual_seed(0)
+    tiled, ref = pair(factory())
+    words = parametrize(ref)
+    if when == "before":
+        parametrize(tiled)
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        tiledmlp.enable_tiling(tiled, num_shards=3)
+        if when == "after":
+            parametrize(tiled)
+        check_exact(tiled, ref)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and words in info.reason, info.reason
+    assert any(p.grad is not None and "parametrizations" in n for n, p in tiled.named_parameters())
+
+
+def test_a_projection_whose_weight_is_an_attribute_takes_the_generic_form():
+    """A weight set as a plain tensor attribute (no parameter to swap): generic, said why, exact."""
+    tiled, ref = pair(llama_mlp())
+    for mlp in (tiled, ref):
+        weight = mlp.down_proj.weight.detach().clone()
+        del mlp.down_proj.weight
+        mlp.down_proj.weight = weight
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and "weights of down_proj are not its parameters" in info.reason, info.reason
+    check_exact(tiled, ref)
+
+
 class SelfAttention(nn.Module):
     """Four projections chaining hidden -> hidden, and a forward that mixes tokens: never an MLP."""
 
