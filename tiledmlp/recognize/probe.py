@@ -179,6 +179,44 @@ class Probe:
             return ref
         return None
 
+    def mixes_tokens(self) -> bool:
+        """Whether the forward mixes tokens (a module registered as per-token: ``register_mlp``): changing either half
+        of the probe tokens changes the other half's outputs, or an output does not scale with the tokens. Every
+        run draws the same random numbers, so a module that draws a mask per token (dropout) is per-token here too.
+        Raises what the forward raises."""
+        half = PROBE_TOKENS // 2
+        gen = torch.Generator(device=self.x.device).manual_seed(4)
+        other = torch.randn(self.x.shape, generator=gen, device=self.x.device, dtype=self.x.dtype) * self.x.std()
+        base = self._token_outputs(self.x)
+        for changed, kept in ((slice(None, half), slice(half, None)), (slice(half, None), slice(None, half))):
+            x = self.x.clone()
+            x[:, changed] = other[:, changed]
+            outs = self._token_outputs(x)
+            if base is None or outs is None or len(outs) != len(base) or any(
+                    rel_max_err(o[kept], b[kept]) > PROBE_RTOL for o, b in zip(outs, base)):
+                return True
+        return False
+
+    def _token_outputs(self, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """The forward's tensor outputs on ``x`` (``[1, tokens, hidden]``), each as ``[tokens, -1]``, drawing the same
+        random numbers every time; None if one is no tensor or does not lead with the tokens."""
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            out = self.run(x, training=False)
+        tokens, flat = x.shape[1], []
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if o is None:
+                continue
+            if not isinstance(o, torch.Tensor):
+                return None
+            if tuple(o.shape[:2]) == (1, tokens):
+                o = o[0]
+            if o.dim() == 0 or o.shape[0] != tokens:
+                return None
+            flat.append(o.reshape(tokens, -1))
+        return flat
+
     def run(self, *inputs: torch.Tensor, training: bool) -> Any:
         """The forward on ``inputs`` (the probe tokens, and for MoE experts their routing)."""
         with (torch.no_grad(), exact_float32(), _mode(self.module, training), swapped(self.slots, self.proxies),

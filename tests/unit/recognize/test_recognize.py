@@ -253,6 +253,87 @@ def test_a_module_that_mixes_tokens_is_never_tiled():
         tiledmlp.enable_tiling(nn.Sequential(SelfAttention()))
 
 
+class _Mixing(nn.Module):
+    """A projection, then something over the tokens (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.how == "mean":
+            return y + y.mean(dim=-2, keepdim=True)
+        if self.how == "causal":  # later tokens see earlier ones: changing the first half shows it
+            return y.cumsum(dim=-2)
+        return y.flip(-2).cumsum(dim=-2).flip(-2)  # earlier tokens see later ones
+
+
+class _Mean(_Mixing):
+    def __init__(self):
+        super().__init__("mean")
+
+
+class _Causal(_Mixing):
+    def __init__(self):
+        super().__init__("causal")
+
+
+class _Anticausal(_Mixing):
+    def __init__(self):
+        super().__init__("anticausal")
+
+
+@pytest.mark.parametrize("how", ["mlp_types", "register_mlp"])
+@pytest.mark.parametrize("mixing", [_Mean, _Causal, _Anticausal, SelfAttention], ids=lambda c: c.__name__)
+def test_a_registered_module_that_mixes_tokens_is_refused(mixing, how, monkeypatch):
+    """``register_mlp``/``mlp_types`` promise a per-token module; one that mixes tokens (a mean over them, a causal
+    or an anti-causal sum, attention) is refused by the probe, the model left untiled. Before: tiled, and silently
+    wrong (each shard computes over its own tokens only)."""
+    monkeypatch.setattr("tiledmlp.recognize.modules._REGISTERED", [])
+    torch.manual_seed(0)
+    model = nn.Sequential(mixing())
+    if how == "register_mlp":
+        tiledmlp.register_mlp(mixing)
+    with pytest.raises(ValueError, match=f"{mixing.__name__} is registered for tiling .* mixes tokens"):
+        tiledmlp.enable_tiling(model, num_shards=3, **({"mlp_types": (mixing,)} if how == "mlp_types" else {}))
+    assert tiledmlp.tiled_modules(model) == {} and "forward" not in model[0].__dict__
+
+
+class _MaskedPerToken(nn.Module):
+    """Per token, with a random mask drawn at every call whatever the mode (the probe's runs draw the same one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(H, I), nn.Linear(I, H)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h * (torch.rand_like(h) > 0.3))
+
+
+class _NeedsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x, mask):
+        return self.proj(x) * mask
+
+
+def test_registered_per_token_modules_pass_the_probe_and_one_it_cannot_run_is_said(caplog):
+    """A per-token module drawing random numbers is per-token to the probe (tiled); one whose forward needs more
+    than the hidden states cannot be probed: tiled as registered, said once."""
+    model = tiledmlp.enable_tiling(nn.Sequential(_MaskedPerToken()), num_shards=3, mlp_types=(_MaskedPerToken,))
+    assert tiledmlp.tiled_modules(model) == {"0": "plain"}
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        model = tiledmlp.enable_tiling(nn.Sequential(_NeedsMask()), mlp_types=(_NeedsMask,))
+    assert tiledmlp.tiled_modules(model) == {"0": "plain"}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "could not check that it is per-token" in said[0] and "mask" in said[0], said
+
+
 @pytest.mark.parametrize("zeroed", [("down_proj",), ("gate_proj", "down_proj"), ("gate_proj", "up_proj", "down_proj")])
 def test_zero_initialized_projections_get_their_fast_form(zeroed):
     """Weights not loaded yet: with zero projections every candidate form would match (before: the generic form,
