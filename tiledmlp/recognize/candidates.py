@@ -19,8 +19,8 @@ from ..forms.lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from ..forms.mlp import MLPLayout, Proj
 from ..forms.quant import QuantizedLinear, quantized_linear
 
-__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "registered", "proj_of", "candidate_layouts",
-           "hidden_sizes", "MLP_NAMES", "ACT_ATTRS"]
+__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "registered", "proj_of",
+           "candidate_layouts", "hidden_sizes", "MLP_NAMES", "ACT_ATTRS"]
 
 #: child-name sets that mark a module as an MLP where the probe cannot run (sharded parameters); the
 #: first two (Hugging Face GLUs) also where the projections are not Linear-like (quantized layers)
