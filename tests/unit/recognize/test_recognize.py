@@ -334,6 +334,25 @@ def test_registered_per_token_modules_pass_the_probe_and_one_it_cannot_run_is_sa
     assert len(said) == 1 and "could not check that it is per-token" in said[0] and "mask" in said[0], said
 
 
+@pytest.mark.parametrize("style", ["plain-gelu", "inline"])
+def test_several_matching_fast_forms_take_the_generic_form(style, monkeypatch):
+    """Where the probe cannot tell two fast forms apart — here GELU and its tanh approximation, under a tolerance
+    coarser than their difference (what a table with two near-identical rows would be), the approximation tried
+    first — no form is guessed: the generic form, the candidates named, exact. Taking the first match would
+    compute the tanh approximation, off by ~1e-4, which the comparison with the untiled module fails."""
+    module = STYLES[style][0]()
+    if style == "inline":  # a GELU GLU (the style's own activation is SiLU)
+        module.act = "gelu"
+    monkeypatch.setattr("tiledmlp.recognize.mlp.PROBE_RTOL", 1e-2)
+    monkeypatch.setattr("tiledmlp.recognize.mlp.PROBE_ACTIVATIONS", ("gelu_tanh", "gelu", "relu"))
+    tiled, ref = pair(module)
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and "the probe matched several fast forms" in info.reason, info
+    assert "gelu_tanh(" in info.reason and "gelu(" in info.reason and "relu(" not in info.reason, info.reason
+    check_exact(tiled, ref)
+
+
 @pytest.mark.parametrize("zeroed", [("down_proj",), ("gate_proj", "down_proj"), ("gate_proj", "up_proj", "down_proj")])
 def test_zero_initialized_projections_get_their_fast_form(zeroed):
     """Weights not loaded yet: with zero projections every candidate form would match (before: the generic form,
