@@ -151,7 +151,8 @@ def proj_of(lin: LinearLike, where: dict[tuple[int, str], int]) -> Proj:
 def candidate_layouts(linears: Sequence[LinearLike], where: dict[tuple[int, str], int],
                       hidden: int) -> list[tuple[str, MLPLayout]]:
     """``(description, layout without activation)`` for every fast form over ``hidden``-wide inputs
-    that the children's shapes allow. The activation field holds a placeholder; the probe tries each."""
+    that the children's shapes allow. The activation field holds a placeholder; the probe tries each, and puts its
+    name for the description's ``{act}``."""
     out: list[tuple[str, MLPLayout]] = []
     for down in (lin for lin in linears if lin.out_features == hidden):
         others = [lin for lin in linears if lin is not down]
@@ -159,14 +160,15 @@ def candidate_layouts(linears: Sequence[LinearLike], where: dict[tuple[int, str]
         ins = [lin for lin in others if lin.in_features == hidden]
         if len(others) == 2 and len(ins) == 2 and all(lin.out_features == inter for lin in ins):
             for gate, up in itertools.permutations(ins):
-                out.append((f"{down.name}(act({gate.name}(x)) * {up.name}(x))",
+                out.append((f"{down.name}({{act}}({gate.name}(x)) * {up.name}(x))",
                             MLPLayout("", proj_of(up, where), proj_of(down, where), gate=proj_of(gate, where))))
         elif len(others) == 1 and len(ins) == 1:
             (up,) = ins
             if up.out_features == inter:
-                out.append((f"{down.name}(act({up.name}(x)))", MLPLayout("", proj_of(up, where), proj_of(down, where))))
+                out.append((f"{down.name}({{act}}({up.name}(x)))",
+                            MLPLayout("", proj_of(up, where), proj_of(down, where))))
             elif up.out_features == 2 * inter:
-                out.append((f"{down.name}(act(gate) * up) with [gate; up] = {up.name}(x)",
+                out.append((f"{down.name}({{act}}(gate) * up) with [gate; up] = {up.name}(x)",
                             MLPLayout("", proj_of(up, where), proj_of(down, where), fused=True)))
     return out
 

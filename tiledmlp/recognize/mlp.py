@@ -191,7 +191,7 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         for act in PROBE_ACTIVATIONS:
             layout = MLPLayout(act, shape.up, shape.down, shape.gate, shape.fused)
             if rel_max_err(probe.candidate(layout), ref[0]) <= PROBE_RTOL:
-                matches.append((description.replace("act(", f"{act}("), layout))
+                matches.append((description.replace("{act}", act), layout))
     if len(matches) == 1:
         computes = matches[0][0] + (f", with LoRA adapters on {', '.join(l.name for l in adapted)}" if adapted else "")
         quantized = [lin for lin in linears if lin.quant is not None]
