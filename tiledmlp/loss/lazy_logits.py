@@ -124,8 +124,8 @@ class LogitsRecipe:
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """The sum of ``t``'s bits read as integers (a 0-dim int64 tensor on ``t``'s device; no synchronization): the same
-    for the same bits, whatever the order of the sum, and changed by any one element changed (``LogitsRecipe``'s
-    design note). Read as 64-bit words where the layout allows (a vectorized sum, as fast as a float one), else
+    for the same bits, whatever the order of the sum, and changed by any one element changed (the module's design
+    note). Read as 64-bit words where the layout allows (a vectorized sum, as fast as a float one), else
     element by element."""
     t = t.detach()
     nbytes = t.element_size() * t.numel()

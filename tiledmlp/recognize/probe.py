@@ -149,8 +149,9 @@ class Probe:
 
     def tokens(self, hidden: int, reader: Optional[LinearLike], where: dict[tuple[int, str], int]) -> None:
         """Draw ``hidden``-wide probe tokens, scaled so ``reader`` (a child reading the input) gives
-        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``; unscaled without one (only parametrized
-        children read the input: the module takes the generic form, and the tokens only check it per token)."""
+        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``; unscaled without one (no child reads the input
+        with a weight that is a parameter: a parametrized projection, or a registered module without Linear-like
+        children; the tokens then only check that the module is per token)."""
         w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]] if reader is not None else None
         like = w if w is not None else self.proxies[0]
         dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
