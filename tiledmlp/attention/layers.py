@@ -38,6 +38,7 @@ says why. A block that calls no SDPA (an ``"eager"`` attention of matmul and sof
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections import Counter
 from typing import Any, Callable, Container, Optional
@@ -61,7 +62,28 @@ __all__ = ["GroupedAttentionMode", "layer_stack", "attention_scopes", "install_a
 _SDPA = F.scaled_dot_product_attention  # the original, whatever replaces the module attribute later
 _MODE_ATTR = "_tiledmlp_attention_mode"
 _SAVED_ATTR = "_tiledmlp_attention_saved"
-_CHECK_ATTR = "_tiledmlp_attention_check"  # a stack layer's _NoAttentionSeen hook handle
+_CHECK_ATTR = "_tiledmlp_attention_check"  # a stack layer's _LayerStart and _NoAttentionSeen hook handles
+
+
+class _ThreadCalls(threading.local):
+    """The SDPA calls needing a gradient that this thread's modes saw (``calls``), and where that count stood when each
+    layer's forward began in this thread (``starts``, by the layer's ``id``): a layer's check compares its own
+    thread's counts, so a model called from two threads at once does not count one thread's calls for the other."""
+
+    calls: int = 0  # per thread: a class attribute is every new thread's starting value
+
+    def __init__(self) -> None:
+        self.starts: dict[int, int] = {}
+
+
+_THREAD = _ThreadCalls()
+
+
+def _seen_call() -> None:
+    """One more SDPA call needing a gradient seen in this thread (compiled code counts none: its layers' checks
+    are off)."""
+    if not torch.compiler.is_compiling():
+        _THREAD.calls += 1
 
 
 class GroupedAttentionMode(TorchFunctionMode):
@@ -101,6 +123,7 @@ class GroupedAttentionMode(TorchFunctionMode):
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad
                                                   for t in (query, key, value)):
             return call()
+        _seen_call()
         why = why_not_grouped(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if why == SDPA_REFUSES:
             return call()  # it raises, as it would untiled
@@ -158,6 +181,7 @@ class GroupedAttentionMode(TorchFunctionMode):
         if kernel not in KERNELS:
             return run()  # this mode's SDPA path says why, for the same kernel
         self.exchanged += 1
+        _seen_call()
         kept, keep = self._kept_or_keep(ulysses_call_key(query, key, True, scale, kernel))
         out = ulysses_attention(query, key, value, group, True, scale, per_call, q_per_call, kernel, kept, keep)
         return out.transpose(1, 2).flatten(2), None  # [batch, tokens, heads x dim], as Ulysses returns it
@@ -244,24 +268,28 @@ def _layer_forward_of(layer: nn.Module) -> types.MethodType:
     return types.MethodType(_layer_method, layer)
 
 
+class _LayerStart:
+    """Forward pre-hook on a layer of the stack: where this thread's count of SDPA calls stands as the layer's forward
+    begins (its :class:`_NoAttentionSeen` compares)."""
+
+    def __call__(self, layer: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            _THREAD.starts[id(layer)] = _THREAD.calls
+
+
 class _NoAttentionSeen:
     """Forward hook on a layer of the stack: a layer whose forward, with a gradient, made no SDPA call in its attention
-    scopes (an ``"eager"`` attention implementation, one computed by other means) keeps today's attention core; said
-    once per layer type (and in :func:`attention_layers`)."""
-
-    def __init__(self, modes: list[GroupedAttentionMode]) -> None:
-        self.modes = modes
-        self.seen = sum(m.calls for m in modes)  # calls seen before the next forward
+    scopes in this thread (an ``"eager"`` attention implementation, one computed by other means) keeps today's
+    attention core; said once per layer type (and in :func:`attention_layers`)."""
 
     def __call__(self, layer: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
-        seen = sum(m.calls for m in self.modes)
-        if seen == self.seen:
+        start = _THREAD.starts.pop(id(layer), None)
+        if start is not None and _THREAD.calls == start:
             warn_once(("attention unseen", type(layer).__name__), "attention=True: a %s layer called no "
                       "F.scaled_dot_product_attention in its forward (an 'eager' attention implementation?): its "
                       "attention core's backward keeps every head's scratch", type(layer).__name__)
-        self.seen = seen
 
 
 def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scratch_mib: Optional[float],
@@ -276,16 +304,15 @@ def install_attention(model: nn.Module, layers: list[tuple[str, nn.Module]], scr
         layer.__dict__[_SAVED_ATTR] = layer.__dict__.get("forward")
         layer.__dict__[_MODE_ATTR] = GroupedAttentionMode(scratch_mib, find_ulysses)
         layer.forward = _layer_forward_of(layer)
-    for name, layer in layer_stack(model) if layers else ():
-        modes = [m.__dict__[_MODE_ATTR] for n, m in layers if n == name or n.startswith(name + ".")]
-        layer.__dict__[_CHECK_ATTR] = layer.register_forward_hook(_NoAttentionSeen(modes))
+    for _, layer in layer_stack(model) if layers else ():
+        layer.__dict__[_CHECK_ATTR] = (layer.register_forward_pre_hook(_LayerStart()),
+                                       layer.register_forward_hook(_NoAttentionSeen()))
 
 
 def uninstall_attention(model: nn.Module) -> None:
     for module in model.modules():
-        check = module.__dict__.pop(_CHECK_ATTR, None)
-        if check is not None:
-            check.remove()
+        for handle in module.__dict__.pop(_CHECK_ATTR, ()):
+            handle.remove()
         if _MODE_ATTR not in module.__dict__:
             continue
         del module.__dict__[_MODE_ATTR]

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core.accumulate import GradAccumulator
 
-__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "read_slots", "swapped"]
+__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "parametrized", "read_slots", "swapped"]
 
 
 def is_quantized(t: Any) -> bool:
@@ -80,6 +80,19 @@ def swapped(slots: Sequence[Slot], tensors: Sequence[torch.Tensor]) -> Iterator[
 def is_plain_linear(m: Any) -> bool:
     """An ``nn.Linear`` computing ``F.linear(x, weight, bias)`` (not a subclass with its own forward)."""
     return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward)
+
+
+def parametrized(m: nn.Module) -> str:
+    """What ``m``'s parametrizations (``torch.nn.utils.parametrize``: ``parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``, ``register_parametrization``) compute, in words ("" for none): its ``weight`` is
+    then no parameter but computed at each read from the parametrization's originals, which a fast form or the tiled
+    loss, computing from the parameters read through their slots, would not follow. The module's own forward does:
+    the generic form's."""
+    plists = m._modules.get("parametrizations")  # where register_parametrization puts them (is_parametrized's test)
+    if not isinstance(plists, nn.ModuleDict):
+        return ""
+    return "parametrized (" + "; ".join(f"{name} by {', '.join(type(p).__name__ for p in plist)}"
+                                        for name, plist in plists.items()) + ")"
 
 
 def _as_leaves(params: Sequence[torch.Tensor], needs: Sequence[bool]) -> list[torch.Tensor]:

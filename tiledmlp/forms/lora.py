@@ -35,7 +35,7 @@ from torch import nn
 
 from ..core.accumulate import GradAccumulator, addmm_
 from ..core.sharding import chunk_bounds
-from .base import Slot, is_plain_linear
+from .base import Slot, is_plain_linear, parametrized
 
 __all__ = ["ADAPTER_BLOCK", "Adapter", "LowRank", "changed_adapters", "is_peft_lora", "lora_adapter"]
 
@@ -84,6 +84,8 @@ def lora_adapter(m: nn.Module) -> Union[Adapter, str]:
     a, b, dropout = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
     if not (is_plain_linear(a) and is_plain_linear(b)) or a.bias is not None or b.bias is not None:
         return "its adapter's A or B is not a bias-free nn.Linear"
+    if parametrized(a) or parametrized(b):
+        return f"its adapter's A or B is {parametrized(a) or parametrized(b)}"
     if not (isinstance(dropout, nn.Identity) or (type(dropout) is nn.Dropout and dropout.p == 0)):
         return f"its adapter applies dropout ({dropout}); set lora_dropout=0 for the fast form"
     scale = m.scaling[name]

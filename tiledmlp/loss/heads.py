@@ -34,7 +34,7 @@ from ..core.function import in_shard
 from ..core.logs import set_traced, warn_once, warn_once_traced
 from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.sequence_parallel import SequenceSplit, split_of
-from ..forms.base import Slot, is_plain_linear, is_quantized
+from ..forms.base import Slot, is_plain_linear, is_quantized, parametrized
 from .cross_entropy import CrossEntropySpec, linear_cross_entropy
 from .lazy_logits import LazyLogits, LogitsRecipe, lazy_logits
 
@@ -48,6 +48,8 @@ UNTILED_TRAINING_CALL = "training calls without labels compute the full logits (
 COMPILED_HEAD = "called inside a torch.compile'd region: full logits, untiled loss"
 #: ``TilingState.fallback`` of a head with full backward hooks of its own
 HOOKED_HEAD = "backward hooks on the head take the logits' gradient: full logits, untiled loss"
+#: ``TilingState.fallback`` of a head parametrized since enable_tiling (``check_causal_lm`` refuses one before)
+PARAMETRIZED_HEAD = "its weight is parametrized, which the tiled loss does not follow: full logits, untiled loss"
 
 
 def _causal_lm_loss() -> Optional[Callable[..., torch.Tensor]]:
@@ -97,6 +99,9 @@ class LossOwner:
     # Called with the model when its output layer is no longer ``head`` (resize_token_embeddings replaces an
     # untied head): moves the tiling to the new one (``patching``), or says why it cannot.
     on_new_head: Optional[Callable[[nn.Module], None]] = None
+    # Why the loss is computed untiled from now on ("" while it is tiled): the output layer was replaced by one the
+    # tiled loss cannot compute (a LoRA-wrapped head, which calls ``head`` as its base layer and adds to its output)
+    untiled: str = ""
 
     def follow_head(self, lm: nn.Module) -> None:
         """Move the tiling to ``lm``'s output layer if it is no longer ``head`` (see ``on_new_head``)."""
@@ -104,7 +109,8 @@ class LossOwner:
             self.on_new_head(lm)
 
     def wants_placeholder(self) -> bool:
-        return len(self.calls) > 0 and self.calls[-1].labels  # len, not bool(list): Dynamo traces it (torch 2.11)
+        # len, not bool(list): Dynamo traces it (torch 2.11)
+        return not self.untiled and len(self.calls) > 0 and self.calls[-1].labels
 
     def materialized(self, op: str) -> None:
         if self.calls and self.calls[-1].materialized_by is None:
@@ -156,6 +162,11 @@ def check_causal_lm(name: str, module: nn.Module) -> nn.Linear:
             "full precision. Load the model with the head unquantized (bitsandbytes' default; "
             "BitsAndBytesConfig(llm_int8_skip_modules=[..., 'lm_head']) keeps it so when you name modules) or "
             "enable tiling with loss=False.")
+    if parametrized(head):
+        raise ValueError(
+            f"{label}: its output layer is {parametrized(head)}: its weight is computed from the parametrization's "
+            "parameters at each read, which the tiled loss does not follow. Remove it "
+            "(torch.nn.utils.parametrize.remove_parametrizations) or enable tiling with loss=False.")
     if not is_plain_linear(head):
         raise ValueError(
             f"{label}: its output layer is a {type(head).__name__}, not a plain nn.Linear (a LoRA- or "
@@ -239,6 +250,9 @@ class TiledHeadForward:
         if owner.head._backward_hooks or owner.head._backward_pre_hooks:
             self._said_hooked(spec.name)
             return self.original(*args, **kwargs)
+        if "parametrizations" in owner.head._modules:  # weight_norm & co. registered since enable_tiling
+            self._said_parametrized(spec.name)
+            return self.original(*args, **kwargs)
         if (not owner.wants_placeholder() or in_shard() or len(args) + len(kwargs) != 1
                 or not isinstance(x, torch.Tensor) or x.dim() < 2 or torch.compiler.is_compiling()):
             if (owner.calls and not owner.calls[-1].labels and owner.head.training and torch.is_grad_enabled()
@@ -267,6 +281,13 @@ class TiledHeadForward:
         warn_once(("hooked head", name), "%s: backward hooks are registered on it (register_full_backward_hook or "
                   "its pre-hook), which take the T x vocab logits' gradient: its calls compute the full logits and "
                   "the untiled loss. Remove the hooks to keep the loss tiled.", name)
+
+    def _said_parametrized(self, name: str) -> None:
+        """A parametrization registered on the head since ``enable_tiling``: its weight is computed at each read."""
+        self.state.fallback = PARAMETRIZED_HEAD
+        warn_once(("parametrized head", name), "%s: it is %s since enable_tiling, so its calls compute the full logits "
+                  "and the untiled loss. Remove the parametrization (torch.nn.utils.parametrize."
+                  "remove_parametrizations) to keep the loss tiled.", name, parametrized(self.state.spec.owner.head))
 
     def __reduce__(self):
         return (TiledHeadForward, (self.state, self.original))

@@ -75,9 +75,16 @@ def _follow_new_head(lm: nn.Module) -> None:
     try:
         check_causal_lm(owner.module_name, lm)
     except ValueError as exc:
+        # The old head may still be called (a LoRA wrapper's base layer): it computes its logits from now on, and the
+        # loss is the untiled one on them
         warn_once(("new head", owner.name), "%s: its output layer was replaced since enable_tiling and the new one "
                   "cannot be tiled, so its loss is computed untiled (full logits) from now on: %s", owner.name, exc)
         owner.on_new_head = None
+        owner.untiled = state.fallback = (f"its output layer was replaced by a {type(new).__name__} that the tiled "
+                                          "loss cannot compute: full logits, untiled loss")
+        for module in new.modules():  # copies of the tiled head in it (peft's modules_to_save): plain heads now
+            if module is not old and getattr(module.__dict__.get(STATE_ATTR), "kind", None) == Kind.LOSS:
+                _restore(module)
         return
     moved = replace(state, spec=replace(state.spec, slots=head_slots(new)), saved_forward=new.__dict__.get("forward"),
                     path=[*state.path[:-1], weakref.ref(new)], _choice=StrategyChoice())

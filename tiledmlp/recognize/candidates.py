@@ -13,14 +13,14 @@ from typing import Any, Optional, Sequence
 import torch.nn.functional as F
 from torch import nn
 
-from ..forms.base import Slot, is_plain_linear, is_quantized
+from ..forms.base import Slot, is_plain_linear, is_quantized, parametrized
 from ..forms.kind import Kind
 from ..forms.lora import Adapter, LowRank, is_peft_lora, lora_adapter
 from ..forms.mlp import MLPLayout, Proj
 from ..forms.quant import QuantizedLinear, quantized_linear
 
-__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "proj_of", "candidate_layouts",
-           "hidden_sizes", "MLP_NAMES", "ACT_ATTRS"]
+__all__ = ["Recognized", "LinearLike", "linear_like", "activation_name", "slot_index", "registered", "proj_of",
+           "candidate_layouts", "hidden_sizes", "MLP_NAMES", "ACT_ATTRS"]
 
 #: child-name sets that mark a module as an MLP where the probe cannot run (sharded parameters); the
 #: first two (Hugging Face GLUs) also where the projections are not Linear-like (quantized layers)
@@ -66,27 +66,31 @@ class LinearLike:
 
 
 def _is_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2 family): ``addmm(bias, x, weight)`` with weight ``[in, out]``."""
-    cls = type(m)
+    """Hugging Face's ``Conv1D`` (GPT-2 family): ``addmm(bias, x, weight)`` with weight ``[in, out]``; parametrized
+    too (``torch.nn.utils.parametrize`` makes its class a subclass of it)."""
+    cls = type(m).__bases__[0] if parametrized(m) else type(m)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(m, "nf")
 
 
 def linear_like(name: str, m: nn.Module) -> Optional[LinearLike]:
     """``m`` as a :class:`LinearLike`, or None."""
     quant = quantized_linear(m)  # a 4-bit Linear4bit: plain but for its packed weight
+    # A parametrized linear (weight_norm, ...) computes its weight from other parameters at each read: a projection,
+    # wrapped (its weight slot is no parameter), so its MLP takes the generic form, which runs its forward
+    wrapper = parametrized(m)
     # A Linear subclass with a forward of its own (Falcon's FalconLinear) is a candidate too: the probe checks that
     # the module computes what the fast form does with its weights (else: the generic form). Quantized weights
     # (bitsandbytes' 8-bit Linear) are not: the probe cannot swap them.
     if is_plain_linear(m) or quant is not None or (isinstance(m, nn.Linear) and not is_quantized(m.weight)):
         bias = Slot(m, "bias") if m.bias is not None else None
-        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant)
+        return LinearLike(name, m.in_features, m.out_features, Slot(m, "weight"), bias, quant=quant, wrapper=wrapper)
     if _is_conv1d(m):
         weight = m.__dict__.get("_parameters", {}).get("weight")
         n_in = getattr(m, "nx", None) or (weight.shape[0] if weight is not None and weight.dim() == 2 else None)
         if n_in is None:
             return None
         bias = Slot(m, "bias") if getattr(m, "bias", None) is not None else None
-        return LinearLike(name, n_in, m.nf, Slot(m, "weight"), bias, transposed=True)
+        return LinearLike(name, n_in, m.nf, Slot(m, "weight"), bias, transposed=True, wrapper=wrapper)
     if is_peft_lora(m):
         inner = linear_like(name, m.base_layer)
         if inner is not None and inner.adapter is None and not inner.wrapper:
@@ -131,6 +135,12 @@ def slot_index(slot: Slot, where: dict[tuple[int, str], int]) -> int:
     return where[(id(slot.owner), slot.name)]
 
 
+def registered(lin: LinearLike, where: dict[tuple[int, str], int]) -> bool:
+    """Whether ``lin``'s weight and bias are parameters among ``where``'s slots (not a parametrized tensor, nor one a
+    hook or the user set as a plain attribute): the probe and the fast forms read only those."""
+    return all((id(s.owner), s.name) in where for s in (lin.weight, lin.bias) if s is not None)
+
+
 def proj_of(lin: LinearLike, where: dict[tuple[int, str], int]) -> Proj:
     bias = None if lin.bias is None else slot_index(lin.bias, where)
     adapter = lin.adapter and LowRank(slot_index(lin.adapter.a, where), slot_index(lin.adapter.b, where),
@@ -141,7 +151,8 @@ def proj_of(lin: LinearLike, where: dict[tuple[int, str], int]) -> Proj:
 def candidate_layouts(linears: Sequence[LinearLike], where: dict[tuple[int, str], int],
                       hidden: int) -> list[tuple[str, MLPLayout]]:
     """``(description, layout without activation)`` for every fast form over ``hidden``-wide inputs
-    that the children's shapes allow. The activation field holds a placeholder; the probe tries each."""
+    that the children's shapes allow. The activation field holds a placeholder; the probe tries each, and puts its
+    name for the description's ``{act}``."""
     out: list[tuple[str, MLPLayout]] = []
     for down in (lin for lin in linears if lin.out_features == hidden):
         others = [lin for lin in linears if lin is not down]
@@ -149,14 +160,15 @@ def candidate_layouts(linears: Sequence[LinearLike], where: dict[tuple[int, str]
         ins = [lin for lin in others if lin.in_features == hidden]
         if len(others) == 2 and len(ins) == 2 and all(lin.out_features == inter for lin in ins):
             for gate, up in itertools.permutations(ins):
-                out.append((f"{down.name}(act({gate.name}(x)) * {up.name}(x))",
+                out.append((f"{down.name}({{act}}({gate.name}(x)) * {up.name}(x))",
                             MLPLayout("", proj_of(up, where), proj_of(down, where), gate=proj_of(gate, where))))
         elif len(others) == 1 and len(ins) == 1:
             (up,) = ins
             if up.out_features == inter:
-                out.append((f"{down.name}(act({up.name}(x)))", MLPLayout("", proj_of(up, where), proj_of(down, where))))
+                out.append((f"{down.name}({{act}}({up.name}(x)))",
+                            MLPLayout("", proj_of(up, where), proj_of(down, where))))
             elif up.out_features == 2 * inter:
-                out.append((f"{down.name}(act(gate) * up) with [gate; up] = {up.name}(x)",
+                out.append((f"{down.name}({{act}}(gate) * up) with [gate; up] = {up.name}(x)",
                             MLPLayout("", proj_of(up, where), proj_of(down, where), fused=True)))
     return out
 

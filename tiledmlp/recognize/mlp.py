@@ -26,7 +26,7 @@ from ..forms.base import Slot, is_plain_linear
 from ..forms.kind import Kind
 from ..forms.mlp import MLPLayout
 from .candidates import (ACT_ATTRS, MLP_NAMES, LinearLike, Recognized, activation_name, candidate_layouts,
-                         hidden_sizes, linear_like, proj_of, slot_index)
+                         hidden_sizes, linear_like, proj_of, registered, slot_index)
 from .probe import (PROBE_ACTIVATIONS, PROBE_RTOL, Probe, dequantized_linear_problem, probe_unavailable,
                     rel_max_err)
 
@@ -134,12 +134,15 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
                           "before sharding the model to let it identify the fast form", warn=True)
     failure: Optional[Exception] = None
     adapted = [lin for lin in linears if lin.adapter is not None]
+    # A projection whose weight is no parameter of the module (parametrized) keeps it: the probe's random weights
+    # are swapped in through the parameters' slots
+    slotted = [lin for lin in linears if registered(lin, where)]
     projections = [(lin, slot_index(lin.weight, where), None if lin.bias is None else slot_index(lin.bias, where))
-                   for lin in linears]
+                   for lin in slotted]
     probe = Probe(forward, module, slots, [proj_of(lin, where).adapter for lin in adapted],
                   [slot_index(lin.weight, where) for lin in adapted], projections)
     for hidden in hiddens:  # the input width the forward accepts
-        probe.tokens(hidden, next(lin for lin in linears if lin.in_features == hidden), where)
+        probe.tokens(hidden, next((lin for lin in slotted if lin.in_features == hidden), None), where)
         try:
             ref = probe.reference()
         except Exception as exc:  # the other width, or a forward that needs more than hidden states
@@ -163,6 +166,10 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
     if wrapped:
         return generic(f"its projections are wrapped ({'; '.join(wrapped)}); the fast forms compute plain "
                        "weights and plain LoRA adapters only, the generic form runs the wrapper's own forward")
+    unregistered = [lin.name for lin in linears if lin not in slotted]
+    if unregistered:
+        return generic(f"the weights of {', '.join(unregistered)} are not its parameters (tensors set as attributes), "
+                       "which the fast forms do not read; the generic form runs its forward")
     outside = _outside_projections(module, linears)
     if outside:
         return generic(f"it has parameters or buffers outside its projections ({', '.join(outside[:4])}), which "
@@ -184,7 +191,7 @@ def _recognize_by_probe(module: nn.Module, forward: Callable[..., Any], slots: S
         for act in PROBE_ACTIVATIONS:
             layout = MLPLayout(act, shape.up, shape.down, shape.gate, shape.fused)
             if rel_max_err(probe.candidate(layout), ref[0]) <= PROBE_RTOL:
-                matches.append((description.replace("act(", f"{act}("), layout))
+                matches.append((description.replace("{act}", act), layout))
     if len(matches) == 1:
         computes = matches[0][0] + (f", with LoRA adapters on {', '.join(l.name for l in adapted)}" if adapted else "")
         quantized = [lin for lin in linears if lin.quant is not None]

@@ -147,15 +147,20 @@ class Probe:
         self.proxies[adapter.a] = torch.randn(a.shape, generator=gen, device=a.device, dtype=a.dtype) * w_std
         self.proxies[adapter.b] = torch.randn(b.shape, generator=gen, device=b.device, dtype=b.dtype) * b_std
 
-    def tokens(self, hidden: int, reader: LinearLike, where: dict[tuple[int, str], int]) -> None:
+    def tokens(self, hidden: int, reader: Optional[LinearLike], where: dict[tuple[int, str], int]) -> None:
         """Draw ``hidden``-wide probe tokens, scaled so ``reader`` (a child reading the input) gives
-        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``."""
-        w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]]
-        dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=w.device, dtype=dtype)
-        pre = x @ (w if reader.transposed else w.t())
-        self.x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
+        pre-activations of standard deviation ``_PRE_ACTIVATION_STD``; unscaled without one (no child reads the input
+        with a weight that is a parameter: a parametrized projection, or a registered module without Linear-like
+        children; the tokens then only check that the module is per token)."""
+        w = self.proxies[where[(id(reader.weight.owner), reader.weight.name)]] if reader is not None else None
+        like = w if w is not None else self.proxies[0]
+        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, device=like.device, dtype=dtype)
+        if w is not None:
+            pre = x @ (w if reader.transposed else w.t())
+            x = x * (_PRE_ACTIVATION_STD / pre.std().clamp_min(1e-12))
+        self.x = x
         self.hidden = hidden
 
     def given(self, x: torch.Tensor) -> None:
@@ -174,6 +179,44 @@ class Probe:
                 and rel_max_err(torch.cat(parts, dim=1), ref) <= PROBE_RTOL):
             return ref
         return None
+
+    def mixes_tokens(self) -> bool:
+        """Whether the forward mixes tokens (a module registered as per-token: ``register_mlp``): changing either half
+        of the probe tokens changes the other half's outputs, or an output does not scale with the tokens. Every
+        run draws the same random numbers, so a module that draws a mask per token (dropout) is per-token here too.
+        Raises what the forward raises."""
+        half = PROBE_TOKENS // 2
+        gen = torch.Generator(device=self.x.device).manual_seed(4)
+        other = torch.randn(self.x.shape, generator=gen, device=self.x.device, dtype=self.x.dtype) * self.x.std()
+        base = self._token_outputs(self.x)
+        for changed, kept in ((slice(None, half), slice(half, None)), (slice(half, None), slice(None, half))):
+            x = self.x.clone()
+            x[:, changed] = other[:, changed]
+            outs = self._token_outputs(x)
+            if base is None or outs is None or len(outs) != len(base) or any(
+                    rel_max_err(o[kept], b[kept]) > PROBE_RTOL for o, b in zip(outs, base)):
+                return True
+        return False
+
+    def _token_outputs(self, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """The forward's tensor outputs on ``x`` (``[1, tokens, hidden]``), each as ``[tokens, -1]``, drawing the same
+        random numbers every time; None if one is no tensor or does not lead with the tokens."""
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            out = self.run(x, training=False)
+        tokens, flat = x.shape[1], []
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if o is None:
+                continue
+            if not isinstance(o, torch.Tensor):
+                return None
+            if tuple(o.shape[:2]) == (1, tokens):
+                o = o[0]
+            if o.dim() == 0 or o.shape[0] != tokens:
+                return None
+            flat.append(o.reshape(tokens, -1))
+        return flat
 
     def run(self, *inputs: torch.Tensor, training: bool) -> Any:
         """The forward on ``inputs`` (the probe tokens, and for MoE experts their routing)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import threading
 import weakref
 
 import pytest
@@ -233,6 +234,39 @@ def test_eager_attention_and_evaluation_are_reported_not_changed(caplog):
     sdpa.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
     assert grouped_calls(sdpa) == 0  # no gradient: the layers run bare
     assert not any(m.__dict__["_tiledmlp_attention_mode"].untouched for m in scoped(sdpa))
+
+
+def test_two_threads_see_their_own_attention_calls(caplog):
+    """A tiled model trained from two threads at once: each layer's SDPA call is its own thread's, so nothing says a
+    layer called none. Before: the check compared one count shared by both threads, and a layer whose call the other
+    thread's check had already counted logged a false "called no F.scaled_dot_product_attention". The two threads
+    meet after their attention blocks (a barrier), so both calls come before either layer's check."""
+    model = tiledmlp.enable_tiling(sdpa_model("llama"), attention=True, loss=False)
+    meet = threading.Barrier(2, timeout=60)
+
+    def wait_for_the_other(*args) -> None:
+        meet.wait()
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(wait_for_the_other)
+    failures = []
+
+    def train(seed: int) -> None:
+        try:
+            ids = batch(seed=seed)
+            model(input_ids=ids, labels=ids).loss.backward()
+        except BaseException as exc:  # surfaced below: an exception in a thread fails nothing by itself
+            failures.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        threads = [threading.Thread(target=train, args=(seed,)) for seed in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not failures, failures
+    assert "called no F.scaled_dot_product_attention" not in caplog.text, caplog.text
+    assert all(m.__dict__["_tiledmlp_attention_mode"].calls == 2 for m in scoped(model))
 
 
 def test_short_sequences_take_sdpa_itself():

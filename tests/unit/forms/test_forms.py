@@ -181,6 +181,34 @@ class Block(nn.Module):
         return h + self.mlp(h)
 
 
+def test_glu_shards_are_sized_by_hand_counted_scratch():
+    """The shards a GLU call runs, and describe()'s, against bytes counted by hand with hidden (32) and intermediate
+    (88) apart, float32, a 2 MiB budget: in one intermediate block a token's backward scratch is gate and up rows and
+    a dh block as wide as the block, 3 x 88 x 4 = 1056 bytes, 1985 tokens, rounded down to 1024; in two blocks of
+    64 and 24 columns (64-aligned), 3 x 64 x 4 = 768 bytes, 2730 tokens, 2048. 4096 tokens: two shards of 2048 in
+    two blocks (four in one); the forward's gate and up rows, 704 bytes a token, fit 2978, so it runs the backward's
+    shards. Scratch: 2048 x 768 bytes. Sizes swapped (hidden for intermediate) give one shard of 4096."""
+    mlp = tiledmlp.enable_tiling(llama_mlp(hidden=32, intermediate=88), scratch_mib=2)
+    seen = {"forward": [], "backward": []}
+    forward_shard, backward_shard = MLPForm.forward_shard, MLPForm.backward_shard
+
+    def forward(self, x, *args, **kwargs):
+        seen["forward"].append(x.shape[0])
+        return forward_shard(self, x, *args, **kwargs)
+
+    def backward(self, x, *args, **kwargs):
+        seen["backward"].append((x.shape[0], self.inter_chunks))
+        return backward_shard(self, x, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MLPForm, "forward_shard", forward)
+        patch.setattr(MLPForm, "backward_shard", backward)
+        mlp(torch.randn(1, 4096, 32, requires_grad=True)).sum().backward()
+    assert seen == {"forward": [2048, 2048], "backward": [(2048, 2), (2048, 2)]}, seen
+    info = tiledmlp.describe(mlp, seq_len=4096)[""]
+    assert (info.num_shards, info.shard_tokens, info.inter_chunks, info.scratch_bytes) == (2, 2048, 2, 2048 * 768)
+
+
 def test_custom_module_via_mlp_types_generic_form():
     torch.manual_seed(0)
     tiled, ref = pair(Block())

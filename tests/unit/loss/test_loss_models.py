@@ -6,6 +6,7 @@ restores the model bit for bit, and bad input is refused with the fix named."""
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 
 import pytest
@@ -405,3 +406,121 @@ def test_a_transform_the_loss_cannot_represent_is_refused(ops):
         model.lm_head.register_forward_hook(lambda module, args, out: torch.tanh(out / 4.0) * -4.0)
     with pytest.raises(ValueError, match=r"applies aten\.(tanh|mul)\.\w+ to its logits"):
         model(input_ids=batch(), labels=batch())
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits read after the model changed, and evaluation modes
+
+
+def biased_lm() -> torch.nn.Module:
+    """Llama with an untied head that has a bias (the placeholder reads the weight and the bias)."""
+    model = build_lm("llama")
+    torch.manual_seed(3)
+    model.lm_head = torch.nn.Linear(32, 96, bias=True)
+    return model
+
+
+def _write_head_weight(model):
+    model.lm_head.weight.data.mul_(1.5)  # bitsandbytes' 8-bit optimizers write like this: no version bump
+
+
+def _write_head_bias(model):
+    model.lm_head.bias.data.add_(0.25)
+
+
+def _vector_to_parameters(model):
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 1.1, model.parameters())  # replaces each parameter's .data
+
+
+def _adam_step(model):
+    torch.optim.Adam(model.parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("write", [_write_head_weight, _write_head_bias, _vector_to_parameters, _adam_step],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_logits_read_after_the_head_changed_are_refused(write):
+    """Read after the head's weight or bias changed — through ``.data`` too, which bumps no version counter — the
+    logits would be the new weights' (before: silently, off by ~0.2 here): refused, naming the fix."""
+    model = tiled_copy(biased_lm())
+    ids = batch()
+    out = model(input_ids=ids, labels=labels_of(ids))
+    out.loss.backward()
+    write(model)
+    with pytest.raises(ValueError, match="changed in place since that forward.*Read out.logits before updating"):
+        out.logits.sum()  # any read that needs the values
+
+
+def test_logits_read_after_other_changes_are_the_forward_s():
+    """What does not change the logits of that forward does not refuse them: the final norm's weight written through
+    ``.data`` (its output, the hidden states, was computed and is kept), the head's ``.data`` replaced by equal
+    values, a folded scale kept as a 0-dim buffer and changed (its value at the forward is replayed)."""
+    ref = biased_lm()
+    ref.register_buffer("scale", torch.tensor(0.7))
+    model = tiled_copy(ref)
+    for m in (ref, model):
+        m.lm_head.register_forward_hook(lambda head, args, out, m=m: out * m.scale)
+    ids = batch()
+    out = model(input_ids=ids, labels=labels_of(ids))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    model.model.norm.weight.data.mul_(3.0)
+    model.lm_head.weight.data = model.lm_head.weight.data.clone()
+    model.scale.fill_(2.0)
+    torch.testing.assert_close(out.logits.float(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_learned_logit_scale_is_not_folded():
+    """A logit scale that requires grad would get no gradient from a folded loss (before: ``scale.grad`` None against
+    untiled's, silently): the loss refuses the model, naming the scale, as for any op it cannot fold."""
+    model = tiled_copy(build_lm("llama"))
+    model.scale = torch.nn.Parameter(torch.tensor(0.7))
+    model.lm_head.register_forward_hook(lambda head, args, out: out * model.scale)
+    with pytest.raises(ValueError, match="by a tensor that requires grad.*loss=False"):
+        model(input_ids=batch(), labels=batch())
+    with torch.no_grad():  # nothing to train: folded
+        ids = batch()
+        got = model(input_ids=ids, labels=labels_of(ids))
+        assert isinstance(got.logits, LazyLogits) and not got.logits.materialized
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_evaluation_with_labels_gives_the_untiled_loss_and_logits(family, mode):
+    """Lightning validates under ``torch.inference_mode`` (before: "Inference tensors do not track version
+    counter"), the Trainer under ``no_grad``: the loss and the logits are untiled's in both."""
+    ref = build_lm(family)
+    tiled = tiled_copy(ref)
+    ids = batch()
+    with mode():
+        got, want = tiled(input_ids=ids, labels=labels_of(ids)), ref(input_ids=ids, labels=labels_of(ids))
+        assert isinstance(got.logits, LazyLogits)
+        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=0)
+        torch.testing.assert_close(got.logits.float(), want.logits.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_parametrized_head_is_refused_before_tiling_and_untiled_after(caplog):
+    """A head whose weight a parametrization computes (``weight_norm``): ``loss=True`` refuses it, naming the
+    parametrization and the fix (before: tiled with its strategy misread as FSDP1's, since the slot held no
+    parameter); by default its loss is left untiled; parametrized after ``enable_tiling``, its calls compute the
+    untiled loss, said once and in describe(). The model trains as untiled in each case."""
+    weight_norm = torch.nn.utils.parametrizations.weight_norm
+    parametrized = build_lm("llama")
+    weight_norm(parametrized.lm_head)
+    with pytest.raises(ValueError, match=r"parametrized \(weight by _WeightNorm\).*remove_parametrizations.*loss=False"):
+        tiledmlp.enable_tiling(copy.deepcopy(parametrized), loss=True)
+    default = tiledmlp.enable_tiling(copy.deepcopy(parametrized), num_shards=3)
+    assert "lm_head" not in tiledmlp.tiled_modules(default)
+    after = tiled_copy(build_lm("llama"))
+    weight_norm(after.lm_head)
+    after.load_state_dict(parametrized.state_dict())
+    ids = batch()
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        for model in (default, after):
+            for _ in range(2):
+                assert_close_rel(step(model, ids), step(parametrized, ids), TOL, "loss")
+                assert_grads_match(model, parametrized, TOL)
+                for m in (model, parametrized):
+                    m.zero_grad()
+    assert caplog.text.count("since enable_tiling, so its calls compute the full logits") == 1, caplog.text
+    assert "parametrized" in tiledmlp.describe(after)["lm_head"].fallback

@@ -77,19 +77,21 @@ def test_a_layer_whose_input_is_not_the_layer_below_s_output_goes_to_the_host(ca
     model = llama_of()
     layers = model.model.layers
 
-    class Scaled(nn.Module):  # multiplies the hidden states between layer 1 and layer 2
-        def forward(self, x):
-            return x * 1.0
+    class Scaled(nn.Module):  # changes the hidden states between layer 1 and layer 2: a rebuild from layer 1's
+        def forward(self, x):  # output would give layer 2 another input, and other gradients
+            return x * 0.5 + 0.25
 
     scale = Scaled()
     original_call = layers[2].__class__.__call__
+    ref_model = llama_of()
+    third = (layers[2], ref_model.model.layers[2])  # the reference transforms its hidden states too (before: not,
+    # and with ``x * 1.0`` nobody could tell)
 
     def call(self, hidden_states, *args, **kwargs):
-        if self is layers[2]:
+        if any(self is layer for layer in third):
             hidden_states = scale(hidden_states)
         return original_call(self, hidden_states, *args, **kwargs)
 
-    ref_model = llama_of()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(layers[2].__class__, "__call__", call)
         ref = train(tiledmlp.enable_tiling(ref_model, tile_tokens=16), steps=1)

@@ -60,6 +60,32 @@ def test_lora_added_after_tiling_trains_as_untiled(targets, caplog):
         info.computes, info
 
 
+@pytest.mark.parametrize("targets, save", [(["lm_head"], []), ([*ALL_TARGETS, "lm_head"], []), (ALL_TARGETS, ["lm_head"])],
+                         ids=["head", "head+mlp+attention", "mlp+attention+saved_head"])
+def test_lora_on_the_head_added_after_tiling_trains_untiled_as_said(targets, save, caplog):
+    """LoRA (or ``modules_to_save``) on the tiled head: the loss falls back untiled, as the warning says, and the model
+    trains as untiled, adapters beside it included. Before: the warning, then the forward raised ("the model applies
+    aten.add.Tensor to its logits ... Enable tiling with loss=False"): the old head, called as the LoRA layer's base,
+    still returned a placeholder."""
+    ref = build("llama")
+    tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
+    config = dict(r=4, lora_alpha=8, target_modules=targets, modules_to_save=save)
+    tiled, ref = (torch.manual_seed(3) and get_peft_model(model, LoraConfig(**config)) for model in (tiled, ref))
+    for model in (tiled, ref):  # random B, small enough that three steps of lr 0.5 do not amplify rounding
+        torch.manual_seed(3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(p, std=0.02)
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        train_side_by_side(tiled, ref)
+    said = [r.getMessage() for r in caplog.records if "its output layer was replaced" in r.getMessage()]
+    assert len(said) == 1 and "computed untiled (full logits) from now on" in said[0], said
+    heads = [(name, i.fallback) for name, i in tiledmlp.describe(tiled).items() if i.form == "loss"]
+    assert len(heads) == 1 and "that the tiled loss cannot compute: full logits, untiled loss" in heads[0][1], heads
+    if len(targets) > 1:  # the MLPs' adapters take the fast LoRA form
+        assert "with LoRA adapters on" in tiledmlp.describe(tiled)["base_model.model.model.layers.0.mlp"].computes
+
+
 def test_adapter_added_and_switched_after_tiling_trains_as_untiled():
     """A model tiled with one adapter, then ``add_adapter`` + ``set_adapter``: the new adapter's MLP gradients
     (before: None) and its loss."""

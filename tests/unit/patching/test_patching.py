@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tiledmlp
 import tiledmlp.patching.planning as planning
 from tiledmlp.patching.state import STATE_ATTR
-from unit_helpers import assert_close_rel, llama_mlp
+from unit_helpers import assert_close_rel, check_against_untiled, llama_mlp
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -30,9 +30,11 @@ def test_returns_same_object_and_names_every_mlp():
 
 
 def test_root_module_is_tiled_too():
-    mlp = llama_mlp()
-    tiledmlp.enable_tiling(mlp)
+    """The module given, tiled itself: named, and computing what it computed (several shards)."""
+    mlp, ref = llama_mlp(), llama_mlp()
+    tiledmlp.enable_tiling(mlp, num_shards=3)
     assert tiledmlp.tiled_modules(mlp) == {"": "plain"}
+    check_against_untiled(mlp, ref, torch.randn(2, 23, 32))
 
 
 def test_patches_instances_never_the_class():
@@ -115,10 +117,22 @@ def test_deepcopy_and_pickle_keep_tiling():
 
 
 def test_state_dict_is_unchanged():
+    """Tiling adds, renames and changes no entry: the same keys, each the same tensor with the same values; and a
+    tiled model's state dict loads into an untiled one, which then computes the same logits."""
     model = tiny_llama()
-    keys = list(model.state_dict())
-    tiledmlp.enable_tiling(model)
-    assert list(model.state_dict()) == keys
+    before = {k: (v, v.clone()) for k, v in model.state_dict().items()}
+    tiledmlp.enable_tiling(model, num_shards=3)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k] is v or (after[k].data_ptr() == v.data_ptr() and torch.equal(after[k], old))
+               for k, (v, old) in before.items())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # loaded below: the untiled model must compute with these
+    untiled = tiny_llama(seed=1)
+    untiled.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 17))
+    assert_close_rel(model(input_ids=ids).logits, untiled(input_ids=ids).logits, 1e-6, "logits")
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -169,7 +183,9 @@ def test_extra_tensor_arguments_are_refused():
             return self.fc(x) if scale is None else self.fc(x) * scale
 
     mlp = tiledmlp.enable_tiling(MaskedMLP(), mlp_types=(MaskedMLP,), num_shards=2)
-    assert mlp(torch.randn(1, 6, 8), scale=2.0).shape == (1, 6, 8)  # non-tensor extras pass through
+    x = torch.randn(1, 6, 8)
+    # non-tensor extras pass through, to the module's own forward (which takes them: the output is scaled)
+    assert_close_rel(mlp(x, scale=2.0), 2.0 * mlp.fc(x), 1e-6, "scaled output")
     with pytest.raises(ValueError, match="extra tensor arguments"):
         mlp(torch.randn(1, 6, 8), scale=torch.ones(1, 6, 1))
 

@@ -35,6 +35,23 @@ def state(module):
     return module.__dict__[STATE_ATTR]
 
 
+#: what each style's fast form computes, in its children's names (``{act}``: the style's activation); a child named
+#: like "contract" once had its "act(" taken for the activation's ("contrgelu(gelu(expand(x)))")
+COMPUTES = {
+    "inline": "down_proj({act}(gate_proj(x)) * up_proj(x))",
+    "inline-gelu-bias": "down_proj({act}(gate_proj(x)) * up_proj(x))",
+    "act_fn": "down_proj({act}(gate_proj(x)) * up_proj(x))",
+    "torchtitan": "w2({act}(w1(x)) * w3(x))",
+    "phi3-fused": "down_proj({act}(gate) * up) with [gate; up] = gate_up_proj(x)",
+    "plain-gelu": "contract({act}(expand(x)))",
+    "plain-gelu-tanh": "contract({act}(expand(x)))",
+    "plain-relu": "contract({act}(expand(x)))",
+    "plain-relu2": "contract({act}(expand(x)))",
+    "gpt2-conv1d": "c_proj({act}(c_fc(x)))",
+    "phi2": "fc2({act}(fc1(x)))",
+}
+
+
 @pytest.mark.parametrize("style", list(STYLES))
 def test_style_gets_its_fast_form_and_is_exact(style):
     factory, form, activation = STYLES[style]
@@ -43,7 +60,7 @@ def test_style_gets_its_fast_form_and_is_exact(style):
     tiledmlp.enable_tiling(tiled, num_shards=3)
     info = tiledmlp.describe(tiled)[""]
     assert (info.form, state(tiled).spec.layout.activation, info.reason) == (form, activation, "")
-    assert activation in info.computes
+    assert info.computes == COMPUTES[style].replace("{act}", activation), info.computes
     check_exact(tiled, ref)
 
 
@@ -163,6 +180,79 @@ def test_decoys_stay_generic_with_a_reason_and_exact(decoy, caplog):
     check_exact(tiled, ref)
 
 
+class _Double(nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def _weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.down_proj)
+    return "down_proj: parametrized (weight by _WeightNorm)"
+
+
+def _doubled_up(mlp):
+    nn.utils.parametrize.register_parametrization(mlp.up_proj, "weight", _Double())
+    return "up_proj: parametrized (weight by _Double)"
+
+
+def _conv1d_weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.c_fc)
+    return "c_fc: parametrized (weight by _WeightNorm)"
+
+
+def _lora_a_weight_norm(mlp):
+    nn.utils.parametrizations.weight_norm(mlp.gate_proj.lora_A["default"])
+    return "its adapter's A or B is parametrized (weight by _WeightNorm)"
+
+
+def _lora_glu_with_b():
+    return _lora_glu(0.0)
+
+
+PARAMETRIZED = {  # name: (module, parametrize it (returns what the reason names))
+    "weight_norm": (llama_mlp, _weight_norm),
+    "register_parametrization": (llama_mlp, _doubled_up),
+    "conv1d_weight_norm": (STYLES["gpt2-conv1d"][0], _conv1d_weight_norm),
+    "lora_adapter_weight_norm": (_lora_glu_with_b, _lora_a_weight_norm),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("case", list(PARAMETRIZED))
+def test_a_parametrized_projection_takes_the_generic_form_and_is_exact(case, when, caplog):
+    """A projection whose weight a parametrization computes (``weight_norm``, ``register_parametrization``), before
+    ``enable_tiling`` or after it: the generic form (the module's own forward, which computes the weight), with the
+    parametrization named; same outputs and gradients as untiled, the parametrizations' parameters included. Before:
+    ``KeyError: (<id>, 'weight')`` (recognition looked the weight up among the parameters)."""
+    factory, parametrize = PARAMETRIZED[case]
+    torch.manual_seed(0)
+    tiled, ref = pair(factory())
+    words = parametrize(ref)
+    if when == "before":
+        parametrize(tiled)
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        tiledmlp.enable_tiling(tiled, num_shards=3)
+        if when == "after":
+            parametrize(tiled)
+        check_exact(tiled, ref)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and words in info.reason, info.reason
+    assert any(p.grad is not None and "parametrizations" in n for n, p in tiled.named_parameters())
+
+
+def test_a_projection_whose_weight_is_an_attribute_takes_the_generic_form():
+    """A weight set as a plain tensor attribute (no parameter to swap): generic, said why, exact."""
+    tiled, ref = pair(llama_mlp())
+    for mlp in (tiled, ref):
+        weight = mlp.down_proj.weight.detach().clone()
+        del mlp.down_proj.weight
+        mlp.down_proj.weight = weight
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and "weights of down_proj are not its parameters" in info.reason, info.reason
+    check_exact(tiled, ref)
+
+
 class SelfAttention(nn.Module):
     """Four projections chaining hidden -> hidden, and a forward that mixes tokens: never an MLP."""
 
@@ -178,6 +268,106 @@ def test_a_module_that_mixes_tokens_is_never_tiled():
     """Bidirectional attention is permutation-equivariant; the probe's halves check still catches it."""
     with pytest.raises(ValueError, match="no MLP block recognized"):
         tiledmlp.enable_tiling(nn.Sequential(SelfAttention()))
+
+
+class _Mixing(nn.Module):
+    """A projection, then something over the tokens (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.how == "mean":
+            return y + y.mean(dim=-2, keepdim=True)
+        if self.how == "causal":  # later tokens see earlier ones: changing the first half shows it
+            return y.cumsum(dim=-2)
+        return y.flip(-2).cumsum(dim=-2).flip(-2)  # earlier tokens see later ones
+
+
+class _Mean(_Mixing):
+    def __init__(self):
+        super().__init__("mean")
+
+
+class _Causal(_Mixing):
+    def __init__(self):
+        super().__init__("causal")
+
+
+class _Anticausal(_Mixing):
+    def __init__(self):
+        super().__init__("anticausal")
+
+
+@pytest.mark.parametrize("how", ["mlp_types", "register_mlp"])
+@pytest.mark.parametrize("mixing", [_Mean, _Causal, _Anticausal, SelfAttention], ids=lambda c: c.__name__)
+def test_a_registered_module_that_mixes_tokens_is_refused(mixing, how, monkeypatch):
+    """``register_mlp``/``mlp_types`` promise a per-token module; one that mixes tokens (a mean over them, a causal
+    or an anti-causal sum, attention) is refused by the probe, the model left untiled. Before: tiled, and silently
+    wrong (each shard computes over its own tokens only)."""
+    monkeypatch.setattr("tiledmlp.recognize.modules._REGISTERED", [])
+    torch.manual_seed(0)
+    model = nn.Sequential(mixing())
+    if how == "register_mlp":
+        tiledmlp.register_mlp(mixing)
+    with pytest.raises(ValueError, match=f"{mixing.__name__} is registered for tiling .* mixes tokens"):
+        tiledmlp.enable_tiling(model, num_shards=3, **({"mlp_types": (mixing,)} if how == "mlp_types" else {}))
+    assert tiledmlp.tiled_modules(model) == {} and "forward" not in model[0].__dict__
+
+
+class _MaskedPerToken(nn.Module):
+    """Per token, with a random mask drawn at every call whatever the mode (the probe's runs draw the same one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(H, I), nn.Linear(I, H)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h * (torch.rand_like(h) > 0.3))
+
+
+class _NeedsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x, mask):
+        return self.proj(x) * mask
+
+
+def test_registered_per_token_modules_pass_the_probe_and_one_it_cannot_run_is_said(caplog):
+    """A per-token module drawing random numbers is per-token to the probe (tiled); one whose forward needs more
+    than the hidden states cannot be probed: tiled as registered, said once."""
+    model = tiledmlp.enable_tiling(nn.Sequential(_MaskedPerToken()), num_shards=3, mlp_types=(_MaskedPerToken,))
+    assert tiledmlp.tiled_modules(model) == {"0": "plain"}
+    with caplog.at_level(logging.WARNING, logger="tiledmlp"):
+        model = tiledmlp.enable_tiling(nn.Sequential(_NeedsMask()), mlp_types=(_NeedsMask,))
+    assert tiledmlp.tiled_modules(model) == {"0": "plain"}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "could not check that it is per-token" in said[0] and "mask" in said[0], said
+
+
+@pytest.mark.parametrize("style", ["plain-gelu", "inline"])
+def test_several_matching_fast_forms_take_the_generic_form(style, monkeypatch):
+    """Where the probe cannot tell two fast forms apart — here GELU and its tanh approximation, under a tolerance
+    coarser than their difference (what a table with two near-identical rows would be), the approximation tried
+    first — no form is guessed: the generic form, the candidates named, exact. Taking the first match would
+    compute the tanh approximation, off by ~1e-4, which the comparison with the untiled module fails."""
+    module = STYLES[style][0]()
+    if style == "inline":  # a GELU GLU (the style's own activation is SiLU)
+        module.act = "gelu"
+    monkeypatch.setattr("tiledmlp.recognize.mlp.PROBE_RTOL", 1e-2)
+    monkeypatch.setattr("tiledmlp.recognize.mlp.PROBE_ACTIVATIONS", ("gelu_tanh", "gelu", "relu"))
+    tiled, ref = pair(module)
+    tiledmlp.enable_tiling(tiled, num_shards=3)
+    info = tiledmlp.describe(tiled)[""]
+    assert info.form == "generic" and "the probe matched several fast forms" in info.reason, info
+    assert "gelu_tanh(" in info.reason and "gelu(" in info.reason and "relu(" not in info.reason, info.reason
+    check_exact(tiled, ref)
 
 
 @pytest.mark.parametrize("zeroed", [("down_proj",), ("gate_proj", "down_proj"), ("gate_proj", "up_proj", "down_proj")])
