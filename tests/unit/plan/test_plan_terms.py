@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import pytest
 
+from tiledmlp.optimizers.spec import OptimizerSpec
 from tiledmlp.plan.memory import GPU, HOST, RECOMPUTE, StepOptions, step_peak
+from tiledmlp.plan.optimizer import OptimizerMemory
 from tiledmlp.plan.shapes import ModelShape
 
 MIB = 2**20
 #: weights, optimizer states and FSDP2's gathered parameters: in every moment, as they are
 WEIGHTS, OPTIMIZER, GATHERED = 10_000_000, 5_000_000, 700_000
 FIXED = [("weights", GPU, WEIGHTS), ("optimizer states", GPU, OPTIMIZER), ("parameters gathered whole", GPU, GATHERED)]
+#: states of a known size, no step of their own (the step's moment and the gradients' lifetime: the tests at the end)
+STATES = OptimizerMemory(device_states=OPTIMIZER)
 
 
 def shape(kv_heads: int, vocab: int, layer_grads: tuple[int, ...], head_grads: int, embedding_grad: int,
@@ -34,7 +38,7 @@ def shape(kv_heads: int, vocab: int, layer_grads: tuple[int, ...], head_grads: i
 
 
 def options(**kw) -> StepOptions:
-    return StepOptions(optimizer_bytes=OPTIMIZER, loss_scratch_bytes=MIB, scratch_mib=1, **kw)
+    return StepOptions(optimizer=kw.pop("optimizer", STATES), loss_scratch_bytes=MIB, scratch_mib=1, **kw)
 
 
 def terms(peak) -> list[tuple[str, str, int]]:
@@ -76,15 +80,15 @@ INPUT = 64 * 2  # a layer's input, per token
 
 @pytest.mark.parametrize("loss_scratch, loss_bytes", [
     # tiled: a logits chunk within its budget (1 MiB: 4096 x 200,000 x (2 + 4) is larger), the head's float32 gradient
-    # 200,000 x 64 x 4, the hidden states' gradient 4096 x 128
-    (MIB, MIB + 200_000 * 64 * 4 + 4096 * INPUT),
+    # 200,000 x 64 x 4 and the bf16 one it becomes 200,000 x 64 x 2, the hidden states' gradient 4096 x 128
+    (MIB, MIB + 200_000 * 64 * (4 + 2) + 4096 * INPUT),
     # a budget larger than the logits: the logits in bf16 and float32, 4096 x 200,000 x 6
-    (2**40, 4096 * 200_000 * 6 + 200_000 * 64 * 4 + 4096 * INPUT),
+    (2**40, 4096 * 200_000 * 6 + 200_000 * 64 * (4 + 2) + 4096 * INPUT),
 ])
 def test_the_end_of_the_forward_with_the_tiled_loss(loss_scratch, loss_bytes):
     """Two layers on the host, one kept: the kept input, the loss's buffers; the host holds two inputs."""
     model = shape(2, 200_000, (2_000_000, 2_500_000, 3_000_000), 1_000_000, 1_000_000)
-    step = StepOptions(optimizer_bytes=OPTIMIZER, loss_scratch_bytes=loss_scratch, scratch_mib=1)
+    step = StepOptions(optimizer=STATES, loss_scratch_bytes=loss_scratch, scratch_mib=1)
     peak = step_peak(model, step, 4096, (HOST, HOST, GPU))
     check(peak, "at the end of the forward", FIXED + [
         ("layer inputs kept on the device", GPU, 4096 * INPUT),
@@ -188,3 +192,35 @@ def test_the_end_of_the_forward_with_kept_attention_outputs():
         ("the loss", GPU, 4096 * 1000 * 10),
         ("layer inputs on the host (pinned)", HOST, 4096 * INPUT),
     ], host_bytes=4096 * INPUT)
+
+
+def test_the_optimizer_step_on_the_device():
+    """An optimizer stepping after backward, on the device: its own moment, the weights, its states, every trainable
+    parameter's gradient (the layers', the head's, the input embedding's) and its step's temporaries."""
+    model = shape(2, 1000, (2_000_000, 2_500_000, 3_000_000), 1_000_000, 4_000_000)
+    foreach = OptimizerMemory(OptimizerSpec("adamw", "foreach"), device_states=OPTIMIZER, step_temporaries=9_000_000)
+    peak = step_peak(model, options(optimizer=foreach), 16, (GPU, GPU, GPU))
+    check(peak, "at the optimizer step", FIXED + [
+        ("gradients", GPU, 2_000_000 + 2_500_000 + 3_000_000 + 1_000_000 + 4_000_000),
+        ("the optimizer step's temporaries", GPU, 9_000_000),
+        ("layer inputs on the host (pinned)", HOST, 0),
+    ])
+
+
+def test_gradients_freed_as_they_complete_and_a_host_optimizer():
+    """Stepped in backward, or copied to the host (here): no step moment on the device; a layer's backward holds of
+    the gradients only its largest unit's (a shape without an intermediate size: all of it, unbounded by scratch)
+    and a tied head's, which waits for the input embedding's share; the optimizer's host bytes are the host's."""
+    model = shape(2, 1000, (2_000_000, 2_500_000, 3_000_000), 1_000_000, 0)
+    model = type(model)(**{**model.__dict__, "layer_unit_grad_bytes": (1_500_000, 1_800_000, 2_100_000),
+                           "tied_grad_bytes": 600_000})
+    host = OptimizerMemory(OptimizerSpec("adamw", "fused", "host"), host_bytes=50_000_000)
+    tokens = 65536
+    peak = step_peak(model, options(optimizer=host), tokens, (HOST, HOST, GPU))
+    check(peak, "in layer 2's backward", [
+        ("weights", GPU, WEIGHTS), ("parameters gathered whole", GPU, GATHERED),
+        ("gradients", GPU, 600_000 + 2_100_000),
+        ("the layer's backward", GPU, tokens * BACKWARD_GQA_UNTILED_NORMS),
+        ("layer inputs on the host (pinned)", HOST, 2 * tokens * INPUT),
+        ("optimizer on the host (pinned)", HOST, 50_000_000),
+    ], host_bytes=2 * tokens * INPUT + 50_000_000)
