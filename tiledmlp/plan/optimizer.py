@@ -111,12 +111,15 @@ def engine_placement(model: nn.Module) -> Optional[OptimizerSpec]:
 
 def placements_for(optimizer: Any, device: torch.device, given: Optional[str] = None) -> tuple[str, ...]:
     """The placements a plan may choose for ``optimizer`` (fastest first), or ``given`` alone (checked). A name: each
-    this process can run exactly: the step in backward with no peers (no data-parallel average after it), the host
-    for AdamW with an accelerator (torchao's; on a CPU the host is the device). An optimizer object: where it is, or,
-    from the device, stepped in backward (``step_in_backward`` makes it so)."""
+    this process can run exactly: the step in backward and the host (torchao's, for AdamW with an accelerator; on a
+    CPU the host is the device) with no peers (a data-parallel wrapper averages gradients after the first, and offloads
+    through its engine instead of the second). An optimizer object: where it is, or, from the device, stepped in
+    backward (``step_in_backward`` makes it so)."""
     peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if isinstance(optimizer, str):
-        host = device.type != "cpu" and spec_named(optimizer).algorithm == "adamw"
+        # with peers the host is the engine's to use (DeepSpeed offload_optimizer, FSDP2 CPUOffloadPolicy, set when
+        # the model is wrapped), read from the wrapping instead
+        host = device.type != "cpu" and not peers and spec_named(optimizer).algorithm == "adamw"
         candidates = tuple(p for p in PLACEMENTS if not (p == BACKWARD and peers) and not (p == HOST and not host))
     else:
         own = BACKWARD if is_stepped_in_backward(optimizer) else spec_of(optimizer).placement

@@ -60,6 +60,7 @@ class MemoryPlan:
     host_budget_bytes: Optional[int]
     longest_seq_len: int
     optimizer_choice: str = ""  # why the optimizer is placed where it is, when the plan chose it
+    longest_placement: str = ""  # the optimizer placement the longest length needs, where not this plan's
 
     @property
     def optimizer(self) -> OptimizerMemory:
@@ -91,7 +92,8 @@ class MemoryPlan:
         o = self.options
         lines = [f"memory plan: {self.seq_len:,} tokens x {self.batch_size} ({self.tokens:,} on this rank), "
                  f"loss={o.loss}, norms={o.norms}, attention={o.attention}, offload={o.offload!r}: "
-                 f"{'fits' if self.fits else 'does NOT fit'}; longest {self.longest_seq_len:,} tokens",
+                 f"{'fits' if self.fits else 'does NOT fit'}; longest {self.longest_seq_len:,} tokens"
+                 + (f" (with the optimizer '{self.longest_placement}')" if self.longest_placement else ""),
                  f"  layer inputs: {self.placed() or 'no checkpointed layers'}",
                  f"  optimizer: {o.optimizer.label()}"
                  + (f"; {self.optimizer_choice}" if self.optimizer_choice else ""),
@@ -201,18 +203,20 @@ def _placed_optimizer(model: nn.Module, step: StepOptions, optimizer: Any, place
                       plan_one: Any) -> MemoryPlan:
     """The plan with ``optimizer`` at the first of ``placements`` (fastest first) with which the step fits (else the
     last), and, where there was a choice, why there, in one phrase."""
-    tried = []
-    for placement in placements:
-        plan = plan_one(replace(step, optimizer=optimizer_memory(model, optimizer, placement)))
-        tried.append(f"{_gib(plan.gpu_peak_bytes)} of device and {_gib(plan.host_peak_bytes)} of host memory with "
-                     f"the optimizer '{placement}'")
-        if plan.fits:
-            break
-    if len(placements) == 1:
-        return plan
-    why = (f"placed '{placements[0]}', the fastest" if len(tried) == 1 else
-           f"placed '{plan.optimizer.spec.placement}': the step needs " + "; ".join(tried[:-1]))
-    return replace(plan, optimizer_choice=why if plan.fits else "no placement fits: " + "; ".join(tried))
+    plans = [plan_one(replace(step, optimizer=optimizer_memory(model, optimizer, p))) for p in placements]
+    if len(plans) == 1:
+        return plans[0]
+    chosen = next((i for i, plan in enumerate(plans) if plan.fits), len(plans) - 1)
+    tried = [f"{_gib(plan.gpu_peak_bytes)} of device and {_gib(plan.host_peak_bytes)} of host memory with the "
+             f"optimizer '{placement}'" for placement, plan in zip(placements, plans)][:chosen + 1]
+    why = (f"placed '{placements[0]}', the fastest" if chosen == 0 else
+           f"placed '{placements[chosen]}': the step needs " + "; ".join(tried[:-1]))
+    # the longest length is the longest any placement allows (a longer step moves the optimizer further)
+    longest = max(plans, key=lambda plan: plan.longest_seq_len)
+    return replace(plans[chosen], optimizer_choice=why if plans[chosen].fits else "no placement fits: " +
+                   "; ".join(tried), longest_seq_len=longest.longest_seq_len, longest_placement=(
+                       longest.optimizer.spec.placement if longest.longest_seq_len > plans[chosen].longest_seq_len
+                       else ""))
 
 
 def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence_parallel: int = 1,

@@ -269,3 +269,19 @@ def test_the_scaled_training_steps_fell_within_their_share():
             whole_budget = float(row["gpu_mib"]) * 2**20 + (32 - 2) * 2 * LAYER  # the missing layers' weights back
             whole_fits = float(row["full_plan_gib"]) * GIB <= whole_budget
             assert whole_fits == (int(row["full_longest"]) >= int(row["T"])), row
+
+
+def test_the_longest_length_is_the_longest_any_placement_allows(model):
+    """A plan whose optimizer fits on the device still says how long a step fits with it moved (before: the longest
+    with the placement chosen for this length, 1.10M tokens for the whole 8B model on one H200 box instead of 1.30M
+    with the optimizer on the host); that length fits, with the placement the plan then picks, and a longer one not."""
+    options = dict(norms=True, attention=True, offload="auto", gpu_mib=30 * 1024, host_mib=60 * 1024)
+    short = tiledmlp.plan_memory(model, 16384, optimizer="adamw", **options)
+    per_placement = {p: tiledmlp.plan_memory(model, 16384, optimizer="adamw", optimizer_placement=p, **options)
+                     .longest_seq_len for p in ("gpu", "backward", "host")}
+    assert short.optimizer.spec.placement == "gpu" and short.longest_seq_len == max(per_placement.values())
+    assert short.longest_seq_len > per_placement["gpu"] and f"(with the optimizer '{short.longest_placement}')" in \
+        short.table()
+    longest = tiledmlp.plan_memory(model, short.longest_seq_len, optimizer="adamw", **options)
+    assert longest.fits and longest.optimizer.spec.placement == short.longest_placement
+    assert not tiledmlp.plan_memory(model, short.longest_seq_len + 1024, optimizer="adamw", **options).fits
