@@ -23,6 +23,7 @@ approximated. The head is tiled with the strategy of its wrapping (``tiled_modul
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -344,12 +345,30 @@ class TiledCausalLMLoss:
                                      scratch_mib=options.scratch_mib, mode=options.mode)
         hidden = logits.hidden
         try:
-            return linear_cross_entropy(state.strategy(owner.head), owner.head, spec.params, hidden,
+            loss = linear_cross_entropy(state.strategy(owner.head), owner.head, spec.params, hidden,
                                         shift_labels.reshape(hidden.shape[:-1]), loss_spec, num_items_in_batch,
                                         options.grad_accum_dtype, spec.name)
         finally:
             if owner.calls:
                 owner.calls[-1].release_head()
+        if loss.grad_fn is not None:  # lazy_logits' design note "the hidden states after the loss's backward"
+            loss.grad_fn.register_prehook(_ReleaseHidden(logits.recipe))
+        return loss
+
+
+class _ReleaseHidden:
+    """A pre-hook on the tiled loss's node: the placeholder's recipe lets go of the hidden states as the loss's
+    backward begins (held weakly: the hook must not keep the recipe, or its hidden states, alive)."""
+
+    __slots__ = ("recipe",)
+
+    def __init__(self, recipe: Any) -> None:
+        self.recipe = weakref.ref(recipe)
+
+    def __call__(self, grad_outputs: Any) -> None:
+        recipe = self.recipe()
+        if recipe is not None:
+            recipe.release()
 
 
 def patch_owner(model: nn.Module, owner: LossOwner, head_state: Any) -> None:
