@@ -2,7 +2,10 @@
 per variant and sequence length, side by side in one torchrun launch.
 
 Every rank holds ``T / world`` tokens of one sequence (Ulysses' all-to-all around sdpa; global positions; labels
-shifted before the split), checkpointed layers, no optimizer (the same for every variant: a forward and backward).
+shifted before the split), checkpointed layers; a step is a forward and a backward, and with ``--optimizer adamw``
+(torch's fused AdamW over this rank's parameters: FSDP2's shards with ``--shard fsdp2``, on the host with
+``--offload-policy``, FSDP2's ``CPUOffloadPolicy``) its step and ``zero_grad`` too, all timed and in the peak;
+``--steps`` whole steps on one batch (the last one timed, every one's loss in ``losses``).
 Variants:
 
 * ``untiled``      the model as is; its loss is the whole sequence's, ``tiledmlp.sequence_loss``.
@@ -84,10 +87,9 @@ from row_outcomes import RowOutcomes  # noqa: E402
 RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA only
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn+dsx",
             "tiled+offload+norms+attn", "tiled+auto+norms+attn") + RING
-COLUMNS = ("variant", "T", "world", "shard", "layers", "peak_gib", "predicted_gib", "host_gib", "host_rss_gib",
-           "placement", "gpu_mib", "host_mib", "step_s", "loss", "grad_rel",
-           "gpu_name", "torch",
-           "transformers", "deepspeed", "tiledmlp", "date")
+COLUMNS = ("variant", "T", "world", "shard", "layers", "optimizer", "peak_gib", "predicted_gib", "host_gib",
+           "host_rss_gib", "placement", "optimizer_label", "gpu_mib", "host_mib", "step_s", "loss", "losses", "grad_rel",
+           "gpu_name", "torch", "transformers", "deepspeed", "tiledmlp", "date")
 
 
 def alst_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, shift: torch.Tensor,
@@ -156,11 +158,14 @@ def torch_ring(model: nn.Module, sdpa: Any) -> Iterator[None]:
 
 def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: torch.device,
             ring: Optional[tuple[Any, Any]] = None, sharded: bool = False,
-            trace: Optional[Path] = None) -> dict[str, Any]:
-    """One step (forward + backward) on this rank's part of a ``tokens``-long sequence. ``ring``: the ``cp`` device
-    mesh and transformers' sdpa, for the ring variants; ``sharded``: the model is FSDP2's (which averages the
-    ranks' gradients), else nothing reduces them; ``trace``: on rank 0 of a GPU run, what was alive at the step's
-    peak is written there (``profile_layer_memory.write_profile``, per local token)."""
+            trace: Optional[Path] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+            steps: int = 1) -> dict[str, Any]:
+    """``steps`` steps (forward + backward, and ``optimizer``'s step and ``zero_grad``) on this rank's part of a
+    ``tokens``-long sequence; the last one timed, the peak over all. ``ring``: the ``cp`` device mesh and
+    transformers' sdpa, for the ring variants; ``sharded``: the model is FSDP2's (which averages the ranks'
+    gradients), else nothing reduces them; ``trace``: on rank 0 of a GPU run, what was alive at the step's peak is
+    written there (``profile_layer_memory.write_profile``, per local token). With an optimizer the gradients are
+    gone after its step: ``grad_rel`` is then not measured."""
     averaged = None if sharded else 1  # sequence_loss scales the gradient for FSDP2's average, or not at all
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     part = tokens // world
@@ -182,7 +187,51 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     before = torch.cuda.memory_allocated(device) if tracing else 0
     if tracing:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
-    begin = time.perf_counter()
+    losses = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        loss = _step(model, variant, ids, shift, positions, cut, inputs, group, averaged, ring)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - begin
+        losses.append(loss.detach().clone())
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    if tracing:
+        from profile_layer_memory import write_profile
+
+        events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        write_profile(events, before, torch.cuda.max_memory_allocated(device), part, trace)
+    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded) / 2**30
+    stats = torch.tensor([seconds, peak if peak == peak else 0.0, offloaded, host_peak_gib()], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, the largest peaks
+    values = torch.stack(losses)
+    if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
+        dist.all_reduce(values, group=group)
+    compared = [(n, p.grad) for n, p in model.named_parameters()
+                if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n or ".layers.0.self_attn" in n)]
+    grads = {n: (g.full_tensor() if sharded else g).detach().float().clone() for n, g in compared}
+    if not sharded:  # the whole sequence's gradient: the ranks' shares summed (FSDP2 averaged the scaled ones)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+    # kept on the host: on the device they would count in the next row's peak (the head's alone is 2 GiB at 8B)
+    grads = {n: g.cpu() for n, g in grads.items()}
+    model.zero_grad(set_to_none=True)
+    return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
+            "host_gib": stats[2].item(), "host_rss_gib": stats[3].item(), "loss": values[-1].item(),
+            "losses": ";".join(f"{v:.4f}" for v in values.tolist()), "grads": grads}
+
+
+def _step(model: nn.Module, variant: str, ids: torch.Tensor, shift: torch.Tensor, positions: torch.Tensor, cut: slice,
+          inputs: dict[str, torch.Tensor], group: Any, averaged: Optional[int],
+          ring: Optional[tuple[Any, Any]]) -> torch.Tensor:
+    """One forward and backward of this rank's part; its loss."""
     if variant == "alst":
         loss = alst_loss(model, **inputs, shift=shift[:, cut], group=group)
         loss.backward()
@@ -200,37 +249,11 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
         loss = tiledmlp.sequence_loss(model, shift[:, cut].contiguous(), group, grads_averaged_over=averaged,
                                       **inputs)
         loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - begin
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    if tracing:
-        from profile_layer_memory import write_profile
-
-        events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
-        torch.cuda.memory._record_memory_history(enabled=None)
-        write_profile(events, before, torch.cuda.max_memory_allocated(device), part, trace)
-    offloaded = (offloader_for(device).stats["offloaded_bytes"] - offloaded) / 2**30
-    stats = torch.tensor([seconds, peak if peak == peak else 0.0, offloaded, host_peak_gib()], dtype=torch.float64,
-                         device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, the largest peaks
-    value = loss.detach().clone()
-    if variant == "alst":  # the rank's share of the whole sequence's loss: summed for the value
-        dist.all_reduce(value, group=group)
-    compared = [(n, p.grad) for n, p in model.named_parameters()
-                if p.grad is not None and (n.startswith("lm_head") or ".layers.0.mlp" in n or ".layers.0.self_attn" in n)]
-    grads = {n: (g.full_tensor() if sharded else g).detach().float().clone() for n, g in compared}
-    if not sharded:  # the whole sequence's gradient: the ranks' shares summed (FSDP2 averaged the scaled ones)
-        for g in grads.values():
-            dist.all_reduce(g, group=group)
-    # kept on the host: on the device they would count in the next row's peak (the head's alone is 2 GiB at 8B)
-    grads = {n: g.cpu() for n, g in grads.items()}
-    model.zero_grad(set_to_none=True)
-    return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
-            "host_gib": stats[2].item(), "host_rss_gib": stats[3].item(), "loss": value.item(), "grads": grads}
+    return loss
 
 
-def predicted(model: nn.Module, variant: str, tokens: int, world: int) -> dict[str, Any]:
+def predicted(model: nn.Module, variant: str, tokens: int, world: int,
+              optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """``tiledmlp.plan_memory``'s device peak per rank (GiB) and placement for a tiled variant as configured (its
     budgets under ``offload="auto"``, else none; the plan models tiledmlp's Ulysses attention; under torch's ring,
     ``ring+tiled...``, it plans the rank's local tokens only, which this column is there to check); NaN for the
@@ -238,8 +261,9 @@ def predicted(model: nn.Module, variant: str, tokens: int, world: int) -> dict[s
     if not variant.removeprefix("ring+").startswith("tiled") or variant.endswith("+dsx"):
         return {"predicted_gib": math.nan, "placement": ""}
     unbounded = {} if "auto" in variant.split("+") else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}
-    plan = tiledmlp.plan_memory(model, tokens, sequence_parallel=world, **unbounded)
-    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "placement": plan.placed()}
+    plan = tiledmlp.plan_memory(model, tokens, sequence_parallel=world, optimizer=optimizer, **unbounded)
+    return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "placement": plan.placed(),
+            "optimizer_label": plan.optimizer.label()}
 
 
 def grad_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -257,6 +281,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shard", choices=("none", "fsdp2"), default="none",
                         help="fsdp2: the weights sharded over the ranks (a unit per decoder layer and the root)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32, on CPU processes (gloo)")
+    parser.add_argument("--optimizer", choices=("none", "adamw"), default="none",
+                        help="adamw: torch's fused AdamW over this rank's parameters in every step (default none)")
+    parser.add_argument("--offload-policy", action="store_true",
+                        help="with --shard fsdp2: FSDP2's CPUOffloadPolicy (parameters, gradients and the optimizer's "
+                             "step on the host)")
+    parser.add_argument("--steps", type=int, default=1, help="whole steps per row on one batch (the last timed)")
     parser.add_argument("--gpu-mib", type=float, default=None,
                         help="the device budget per rank of the auto variant (default: what each rank may use)")
     parser.add_argument("--host-mib", type=float, default=None,
@@ -272,6 +302,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     on_gpus = torch.cuda.is_available() and not args.smoke
     args.variants = parse_variants(args.variants or ",".join(v for v in VARIANTS if on_gpus or v not in RING),
                                    VARIANTS)
+    if args.offload_policy and args.shard != "fsdp2":
+        parser.error("--offload-policy is FSDP2's: give --shard fsdp2 with it")
     if args.shard == "fsdp2" and "alst" in args.variants:
         parser.error("alst: its loss calls the model's parts directly, past FSDP2's root unit (its recipes run it "
                      "under ZeRO-3); drop it from --variants with --shard fsdp2")
@@ -309,9 +341,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (world,))
+        policy = {}
+        if args.offload_policy:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            policy = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
     ring = None
     if any(v in RING for v in args.variants):
         from torch.distributed.device_mesh import init_device_mesh
@@ -335,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             budgets = ({"gpu_mib": args.gpu_mib, "host_mib": args.host_mib} if "auto" in variant.split("+")
                        else {})  # the budgets of offload="auto", where given (else what each rank may use)
             row = {"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"],
-                   **budgets}
+                   "optimizer": args.optimizer + ("+offload_policy" if args.offload_policy else ""), **budgets}
 
             def stuck(why: str) -> None:
                 print(f"  T={tokens:>8} {variant:<20} out of memory: {why}; ending the run", flush=True)
@@ -344,8 +381,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
             trace = (args.out / f"profile_layer_memory_sp_{gpu_slug(device)}_{args.model}_{size['layers']}l_{tokens}_"
                      f"{variant}_{args.shard}" if args.memory_trace else None)
+            optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+                         if args.optimizer == "adamw" else None)
             result, status = outcomes.run(functools.partial(measure, model, variant, tokens, group, device, ring,
-                                                            sharded=args.shard == "fsdp2", trace=trace), stuck)
+                                                            sharded=args.shard == "fsdp2", trace=trace,
+                                                            optimizer=optimizer, steps=args.steps), stuck)
             if status == "oom":
                 rows.append({**row, **out_of_memory})
             else:
@@ -353,7 +393,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 if variant == "untiled" or tokens not in reference:  # else the first variant that ran
                     reference[tokens] = grads
                 result["grad_rel"] = grad_rel(grads, reference[tokens]) if grads and tokens in reference else math.nan
-                rows.append({**row, **result, **predicted(model, variant, tokens, world)})
+                rows.append({**row, **result, **predicted(model, variant, tokens, world, optimizer)})
+            del optimizer  # its states go with it, before the next row
             if dist.get_rank() == 0:
                 last = rows[-1]
                 print(f"  T={tokens:>8} {variant:<20} peak_gib={fmt(last['peak_gib'])} "

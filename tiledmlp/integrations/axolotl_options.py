@@ -21,7 +21,7 @@ SECTION = "tiledmlp"
 #: the keys the section takes: ``enable_tiling``'s keyword arguments, one for one
 OPTIONS = ("strategy", "num_shards", "loss", "tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype",
            "mlp_types", "include_moe", "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms",
-           "projections", "attention", "gpu_mib", "host_mib", "seq_len")
+           "projections", "attention", "gpu_mib", "host_mib", "seq_len", "optimizer", "optimizer_placement")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BOOLS = ("norms", "projections", "attention", "include_moe")

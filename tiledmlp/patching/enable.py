@@ -14,6 +14,7 @@ from torch import nn
 
 from ..attention.layers import attention_scopes, install_attention, uninstall_attention
 from ..core.accumulate import check_accum_dtype
+from ..core.compat import checkpointing_call, enable_checkpointing
 from ..core.sharding import LOSS_MODES, ShardPolicy, check_budget_mib
 from ..forms.kind import Kind
 from ..distributed.context_parallel import check_grouped_kv_under_cp
@@ -212,6 +213,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     _place_optimizer_object(options.get("optimizer"), options.get("optimizer_placement"))
     step = StepOptions(loss=loss_options is not None, norms=norms, attention=attention, offload=offload,
                        scratch_mib=policy.scratch_mib, projections=projections, optimizer=optimizer,
+                       chosen_because=options.pop("chosen_because", ""),
                        **({"loss_scratch_bytes": int(loss_options.scratch_mib * 2**20)}
                           if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
     model.__dict__[OPTIONS_ATTR] = step
@@ -235,12 +237,14 @@ def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: 
                                      "optimizer_placement") if k in options}
     if loss is not None:
         given["loss"] = loss
-    chosen, plan, turned_on = options_for_length(model, seq_len, given, options.get("gpu_mib"),
-                                                 options.get("host_mib"))
+    chosen, plan, why = options_for_length(model, seq_len, given, options.get("gpu_mib"), options.get("host_mib"))
+    if chosen.pop("checkpointing", False):  # the length fits only with the layers checkpointed
+        enable_checkpointing(model)
+        why = f"checkpointing turned on ({checkpointing_call(model)}), which the length needs; {why}"
     options.update({k: v for k, v in chosen.items() if k != "loss"})
+    options["chosen_because"] = f"seq_len={seq_len}: {why}"
     log.info("enable_tiling(seq_len=%d): %s (%s); %s%s", seq_len,
-             ", ".join(f"{k}={v!r}" for k, v in chosen.items()),
-             f"turned on {', '.join(turned_on)} to fit" if turned_on else "fits as given",
+             ", ".join(f"{k}={v!r}" for k, v in chosen.items()), why,
              plan.table().splitlines()[0].split(": ", 1)[1],
              f"; optimizer {plan.optimizer.label()}: {plan.optimizer_choice}" if plan.optimizer_choice else "")
     return loss if "loss" in given else (None if chosen["loss"] else False)

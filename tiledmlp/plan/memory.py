@@ -27,6 +27,13 @@ cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the
 (``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
 this model's 46.12); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
 
+Design note — without checkpointing
+-----------------------------------
+A model whose layers do not checkpoint keeps each layer's activations from its forward to its backward, not only
+its input: counted as what a layer's recompute rebuilds (the attention core's output, q/k/v, the hidden vectors
+around them: ``recompute_bytes_per_token``), in every layer below the one whose backward runs. Not measured: such a
+plan says so, and ``enable_tiling(model, seq_len=T)`` turns checkpointing on where it does not fit without.
+
 The step's peak is the largest of these, of the end of the forward (every kept input, the loss's buffers) and, for
 an optimizer that steps on the device after backward, of its step (the weights, every gradient, the states and the
 step's temporaries: foreach AdamW's are one whole state's worth). The host holds the offloaded inputs and a host-placed
@@ -108,6 +115,7 @@ class StepOptions:
     # projections=True (peft LoRA layers tiled outside the MLPs): their per-token copies are not modelled (not yet
     # measured on this version), which the plan says rather than plan without them in silence
     projections: bool = False
+    chosen_because: str = ""  # enable_tiling(seq_len=T): why these options (the runner-up), for describe()
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
@@ -240,10 +248,13 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     their attention outputs kept where ``keeps`` says (design notes)."""
     n, layer_grad_bytes = len(places), shape.layer_grad_bytes
     keeps = keeps or (False,) * n
-    kept = tokens * shape.layer_input_bytes_per_token  # one layer's input
     attention = attention_kept_bytes(shape, options, tokens) if any(keeps) else 0  # one layer's kept output
     per_token = working_bytes_per_token(shape, options)
     recompute = recompute_bytes_per_token(shape, options)
+    # what a layer keeps from its forward to its backward: its input, checkpointed; else what its recompute would
+    # rebuild (design note "without checkpointing")
+    kept = tokens * (shape.layer_input_bytes_per_token if shape.checkpointed else int(recompute))
+    kept_name = "layer inputs kept on the device" if shape.checkpointed else "layers' activations (no checkpointing)"
     scratch = scratch_bytes(shape, options, tokens)
     working = int(tokens * per_token) + scratch
     slot = _ulysses_slot_bytes(shape, options, tokens)
@@ -266,7 +277,7 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
     for i in range(n):
         chain = chain + 1 if places[i] == RECOMPUTE else 0  # a rebuild holds the inputs of the chain below it
         layers = f"layers {i}-{n - 1}" if i < n - 1 else f"layer {i}"
-        below = [Term("layer inputs kept on the device", GPU, on_gpu_below * kept,
+        below = [Term(kept_name, GPU, on_gpu_below * kept,
                       f"{counted(on_gpu_below, 'layer')} below layer {i}"),
                  Term("attention outputs kept for the recompute", GPU, keeps_below * attention,
                       f"{counted(keeps_below, 'layer')} below layer {i}"),
@@ -298,7 +309,7 @@ def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequ
                     + shape.vocab * shape.hidden * (4 + shape.act_itemsize) + tokens * shape.layer_input_bytes_per_token
                     if options.loss else tokens * shape.vocab * (shape.act_itemsize + 8))
     candidates.append(("at the end of the forward", fixed + [
-        Term("layer inputs kept on the device", GPU, sum(p == GPU for p in places) * kept),
+        Term(kept_name, GPU, sum(p == GPU for p in places) * kept),
         Term("attention outputs kept for the recompute", GPU, sum(map(bool, keeps)) * attention),
         Term("the loss", GPU, loss_forward, "a logits chunk, the head's float32 gradient and the one it becomes"
              if options.loss
@@ -343,8 +354,8 @@ def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Opti
     ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
     n = len(shape.layer_grad_bytes)
     none_kept = (False,) * n
-    if tokens * shape.layer_input_bytes_per_token < host.MIN_BYTES:  # too small to move: the offloader keeps it
-        places = (GPU,) * n
+    if tokens * shape.layer_input_bytes_per_token < host.MIN_BYTES or not shape.checkpointed:
+        places = (GPU,) * n  # too small to move (the offloader keeps it), or nothing checkpointed to move
         return (places, none_kept), step_peak(shape, options, tokens, places)
     if options.offload != "auto":
         places = (HOST if options.offload == "cpu" else GPU,) * n

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -14,14 +15,15 @@ from torch import nn
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
-from ..offload.checkpointing import pinned_bytes
+from ..offload.checkpointing import checkpointing_modules, pinned_bytes
 from ..offload.host_memory import available_host_bytes
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .shapes import ModelShape, local_bytes, model_shape
+from .timing import step_seconds
 
 __all__ = ["MemoryPlan", "plan_memory", "step_options", "tiled_step_options", "AutoPlacement", "budgets", "refusal",
-           "options_for_length", "ESCALATION", "OPTIONS_ATTR"]
+           "options_for_length", "CHOICES", "OPTIONS_ATTR"]
 
 log = logging.getLogger("tiledmlp")
 
@@ -40,7 +42,10 @@ _GRAIN = 1024  # longest lengths are multiples of this many local tokens
 
 
 def _gib(nbytes: Optional[float]) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+    """Bytes in the unit that shows them: GiB from 1 GiB, MiB below."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class MemoryPlan:
     longest_seq_len: int
     optimizer_choice: str = ""  # why the optimizer is placed where it is, when the plan chose it
     longest_placement: str = ""  # the optimizer placement the longest length needs, where not this plan's
+    checkpointed: bool = True  # the model's layers checkpoint (else each keeps its activations: not measured)
+    assumed: str = ""  # which options the plan took from where: given, the model's own (enable_tiling), the defaults
+    would_fit: str = ""  # where it does not fit: the options that would make this length fit
 
     @property
     def optimizer(self) -> OptimizerMemory:
@@ -77,10 +85,15 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
+        """Within both budgets, and no longer than the longest length (searched up to 64M local tokens: a length
+        beyond that is not said to fit, whatever the budgets)."""
         return ((self.gpu_budget_bytes is None or self.gpu_peak_bytes <= self.gpu_budget_bytes)
-                and (self.host_budget_bytes is None or self.host_peak_bytes <= self.host_budget_bytes))
+                and (self.host_budget_bytes is None or self.host_peak_bytes <= self.host_budget_bytes)
+                and self.seq_len <= self.longest_seq_len)
 
     def placed(self) -> str:
+        if not self.checkpointed:
+            return f"none checkpointed: each of {len(self.placement)} layers keeps its activations"
         counts = {p: self.placement.count(p) for p in (GPU, HOST, RECOMPUTE)}
         kept = sum(self.attention_kept)
         return ", ".join(f"{n} {where}" for where, n in (("kept on the device", counts[GPU]),
@@ -94,6 +107,7 @@ class MemoryPlan:
                  f"loss={o.loss}, norms={o.norms}, attention={o.attention}, offload={o.offload!r}: "
                  f"{'fits' if self.fits else 'does NOT fit'}; longest {self.longest_seq_len:,} tokens"
                  + (f" (with the optimizer '{self.longest_placement}')" if self.longest_placement else ""),
+                 *([f"  options: {self.assumed}"] if self.assumed else []),
                  f"  layer inputs: {self.placed() or 'no checkpointed layers'}",
                  f"  optimizer: {o.optimizer.label()}"
                  + (f"; {self.optimizer_choice}" if self.optimizer_choice else ""),
@@ -102,6 +116,13 @@ class MemoryPlan:
                  f"host {_gib(self.host_peak_bytes)} pinned (budget {_gib(self.host_budget_bytes)})"]
         if o.projections:
             lines.append(f"  not modelled: {UNMODELLED_PROJECTIONS}")
+        if not self.fits:
+            lines.append("  to fit: " + (self.would_fit or "fewer tokens per step, more ranks for the sequence, or "
+                                         "more memory (gpu_mib/host_mib)"))
+        if self.placement and not self.checkpointed:
+            lines.append("  not measured: a model without checkpointing keeps each layer's activations (counted as what "
+                         "a layer's recompute would rebuild); enable_tiling(model, seq_len=T) turns checkpointing on "
+                         "where it does not fit without")
         width = max(len(t.name) for t in self.peak.terms)
         lines += [f"    {t.where:<4}  {t.name:<{width}}  {_gib(t.nbytes):>11}  {t.note}".rstrip()
                   for t in self.peak.terms]
@@ -144,20 +165,25 @@ def _device_of(model: nn.Module) -> torch.device:
 def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
             host_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
     """``(device, host)`` bytes a step may take: those given, else what this process may use now, minus margins:
-    the device's free memory plus what this process's allocator holds (None on a CPU: its memory is the host's), this
-    process's share of the host's available memory (control-group aware; shared evenly by the ``LOCAL_WORLD_SIZE``
-    ranks a launcher started on this host) plus the offload buffers this process already holds."""
+    the device's free memory plus what this process's allocator holds, this process's share of the host's available
+    memory (control-group aware; shared evenly by the ``LOCAL_WORLD_SIZE`` ranks a launcher started on this host) plus
+    the offload buffers this process already holds. A model on the CPU computes in host memory: that share is its
+    device budget, and its host budget is 0 (offloading copies within host memory there, saving nothing)."""
     device = _device_of(model)
     gpu = int(gpu_mib * 2**20) if gpu_mib is not None else None
     if gpu is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         gpu = free + torch.cuda.memory_reserved(device) - max(GPU_MARGIN[0], int(GPU_MARGIN[1] * total))
     host = int(host_mib * 2**20) if host_mib is not None else None
-    if host is None:
+    if host is None or (gpu is None and device.type == "cpu"):
         available = available_host_bytes()
         # the buffers this process already pinned for offload serve the next steps too
         share = None if available is None else max(available - HOST_MARGIN, 0) // _ranks_on_this_host()
-        host = None if share is None else share + pinned_bytes(device)
+        share = None if share is None else share + pinned_bytes(device)
+        if device.type == "cpu":
+            gpu, host = (share if gpu is None else gpu), (0 if host is None else host)
+        elif host is None:
+            host = share
     return gpu, host
 
 
@@ -189,14 +215,29 @@ def longest_tokens(shape: ModelShape, options: StepOptions, gpu: Optional[int], 
 
 
 def _plan(shape: ModelShape, options: StepOptions, seq_len: int, batch_size: int, split: int, gpu: Optional[int],
-          host: Optional[int], optimizer_choice: str = "") -> MemoryPlan:
+          host: Optional[int], optimizer_choice: str = "", assumed: str = "") -> MemoryPlan:
     tokens = seq_len * batch_size // split
     options = replace(options, ulysses=split if options.ulysses > 1 else 1)
     if options.projections:
         warn_once(("plan without projections",), "plan_memory: %s", UNMODELLED_PROJECTIONS)
     (places, keeps), peak = place(shape, options, tokens, gpu, host)
     longest = longest_tokens(shape, options, gpu, host) * split // batch_size
-    return MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest, optimizer_choice)
+    within = (gpu is None or peak.gpu_bytes <= gpu) and (host is None or peak.host_bytes <= host)
+    if within and tokens <= _LONGEST:  # the search's grain of 1024 tokens must not call a fitting length too long
+        longest = max(longest, seq_len)
+    plan = MemoryPlan(seq_len, batch_size, tokens, options, places, keeps, peak, gpu, host, longest,
+                      optimizer_choice, checkpointed=bool(shape.checkpointed), assumed=assumed)
+    return plan if plan.fits else replace(plan, would_fit=_would_fit(plan, shape))
+
+
+def _assumed(model: nn.Module, step: StepOptions, given: dict[str, Any]) -> str:
+    """Each memory option of ``step`` and where the plan took it from: given, the model's own (as ``enable_tiling``
+    tiled it), or the default."""
+    tiled = tiled_step_options(model)
+    source = "as tiled" if tiled is not None else "default"
+    said = ", ".join(f"{key}={getattr(step, key)!r} ({'given' if key in given else source})"
+                     for key in ("loss", "norms", "attention", "offload"))
+    return said + (f"; tiled for {tiled.chosen_because}" if tiled is not None and tiled.chosen_because else "")
 
 
 def _placed_optimizer(model: nn.Module, step: StepOptions, optimizer: Any, placements: tuple[str, ...],
@@ -253,82 +294,112 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     if unknown:
         raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
                         f"{list(PLANNED_OPTIONS)}")
-    shape = model_shape(model)
-    if not shape.checkpointed:
-        raise ValueError(f"plan_memory models a decoder with checkpointed layers, and no module of "
-                         f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
-                         "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
+    return _planned(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
+                    {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
+
+
+def _planned(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int, sequence_parallel: int,
+             gpu_mib: Optional[float], host_mib: Optional[float], optimizer: dict[str, Any],
+             options: dict[str, Any]) -> MemoryPlan:
+    """:func:`plan_memory` of ``model`` as ``shape`` says it is (checkpointed or not), its arguments checked."""
+    optimizer_placement = optimizer.get("optimizer_placement")
+    optimizer = optimizer.get("optimizer")
     placed = optimizer is not None and engine_placement(model) is None  # the engine's placement is its own
     placements = placements_for(optimizer, _device_of(model), optimizer_placement) if placed else ()
     step = step_options(model, optimizer, placements[0] if placed else None, **options)
+    if step.offload is not None and not shape.checkpointed:
+        raise ValueError(f"offload={step.offload!r} moves checkpointed layers' inputs, and no module of "
+                         f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
+                         "gradient_checkpointing_kwargs={'use_reentrant': False}) first, or plan offload=None")
     split = split_of(model)
     step = replace(step, ulysses=sequence_parallel if split is None or split.kind == "sp" else 1)
     gpu, host = budgets(model, step.gpu_mib if gpu_mib is None else gpu_mib,
                         step.host_mib if host_mib is None else host_mib)
 
+    assumed = _assumed(model, step, options)
+
     def plan_one(options: StepOptions) -> MemoryPlan:
-        return _plan(shape, options, seq_len, batch_size, sequence_parallel, gpu, host)
+        return _plan(shape, options, seq_len, batch_size, sequence_parallel, gpu, host, assumed=assumed)
 
     return _placed_optimizer(model, step, optimizer, placements, plan_one) if placed else plan_one(step)
 
 
+def _would_fit(plan: MemoryPlan, shape: ModelShape) -> str:
+    """The options, each turned on alone, that would make ``plan``'s length fit ("" if none would)."""
+    o, helps = plan.options, []
+    for key, value in (("offload", "auto"), ("attention", True), ("norms", True), ("loss", True)):
+        if getattr(o, key) == value or (key == "offload" and not shape.checkpointed):
+            continue
+        if _fits(shape, replace(o, **{key: value}), plan.tokens, plan.gpu_budget_bytes, plan.host_budget_bytes):
+            helps.append(f"{key}={value!r}")
+    return f"{' or '.join(helps)} would make this length fit" if helps else ""
+
+
 def refusal(plan: MemoryPlan, shape: ModelShape) -> str:
     """Why ``plan`` cannot run, the longest length that can, and which options would make its length fit."""
-    o, helps = plan.options, []
-    for change in ({"offload": "auto"}, {"attention": True}, {"norms": True}, {"loss": True}):
-        key, value = next(iter(change.items()))
-        if getattr(o, key) == value:
-            continue
-        if _fits(shape, replace(o, **change), plan.tokens, plan.gpu_budget_bytes, plan.host_budget_bytes):
-            helps.append(f"{key}={value!r}")
     return (f"a step of {plan.seq_len:,} tokens x {plan.batch_size} needs {_gib(plan.gpu_peak_bytes)} of device "
             f"memory (budget {_gib(plan.gpu_budget_bytes)}) and {_gib(plan.host_peak_bytes)} of host memory (budget "
-            f"{_gib(plan.host_budget_bytes)}) with {plan.placed()}. The longest that fits is "
-            f"{plan.longest_seq_len:,} tokens" + (f"; {' or '.join(helps)} would make this length fit" if helps else
+            f"{_gib(plan.host_budget_bytes)}) with {plan.placed() or 'every layer kept'}. The longest that fits is "
+            f"{plan.longest_seq_len:,} tokens" + (f"; {_would_fit(plan, shape)}" if _would_fit(plan, shape) else
                                                  "; fewer tokens per step, more ranks for the sequence, or more memory "
                                                  "(gpu_mib/host_mib) would"))
 
 
-#: what ``enable_tiling(model, seq_len=T)`` turns on, in this order, until the step fits: the cheapest first (tiled
-#: norms cost one more norm forward per shard; ``attention=True`` nothing measurable; offloading host copies or
-#: layer recomputes). ``offload="auto"`` comes on last in any case, where not given: it spends what is left of the
-#: device on speed
-ESCALATION = (("norms", True), ("attention", True), ("offload", "auto"))
+#: the memory options ``enable_tiling(model, seq_len=T)`` chooses among where they are not given: of the combinations
+#: that fit, the fastest by the plan's estimate (``tiledmlp.plan.timing``, design note), the fewest options on a tie
+CHOICES = {"norms": (False, True), "attention": (False, True), "offload": (None, "cpu", "auto")}
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    options: dict[str, Any]
+    checkpointing: bool  # the model's layers checkpoint (turned on where they did not)
+    plan: MemoryPlan
+    seconds: float
+
+    def said(self) -> str:
+        on = [f"{k}={v!r}" for k, v in self.options.items() if k in CHOICES and v not in (False, None)]
+        return ", ".join(on + (["checkpointing"] if self.checkpointing else [])) or "no option"
 
 
 def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gpu_mib: Optional[float] = None,
-                       host_mib: Optional[float] = None) -> tuple[dict[str, Any], MemoryPlan, list[str]]:
-    """The options of ``enable_tiling`` for steps of ``seq_len`` tokens: those ``given``, and of the others the
-    fewest of :data:`ESCALATION` with which the plan fits the budgets (an optimizer given by name placed the fastest
-    way that fits, :func:`plan_memory`). Returns them (with ``optimizer_placement`` where one was placed), their plan,
-    and what was turned on. ValueError, with the longest length that fits and what else would help, when nothing
-    fits."""
-    chosen = {"loss": given.get("loss") is not False, "norms": given.get("norms", False),
-              "attention": given.get("attention", False), "offload": given.get("offload"),
-              "projections": given.get("projections", False)}
+                       host_mib: Optional[float] = None) -> tuple[dict[str, Any], MemoryPlan, str]:
+    """The options of ``enable_tiling`` for steps of ``seq_len`` tokens: those ``given``, and of the others
+    (:data:`CHOICES`) those with which the step fits the budgets and is fastest by the plan's estimate
+    (``tiledmlp.plan.timing``), an optimizer given by name placed the fastest way that fits (:func:`plan_memory`); a
+    model that does not checkpoint is planned as it is, and with its layers checkpointed where it must be. Returns the
+    options (``checkpointing=True`` where it must be turned on; ``optimizer_placement`` where one was placed), their
+    plan, and why, with the runner-up, in one phrase. ValueError, with the longest length any of them fits and with
+    which options, when none fits."""
+    free = {key: values for key, values in CHOICES.items() if key not in given}
+    fixed = {"loss": given.get("loss") is not False, "projections": given.get("projections", False),
+             **{key: given[key] for key in CHOICES if key in given}}
     optimizer = {key: given[key] for key in ("optimizer", "optimizer_placement") if given.get(key) is not None}
-
-    def plan_for(options: dict[str, Any]) -> MemoryPlan:
-        return plan_memory(model, seq_len, gpu_mib=gpu_mib, host_mib=host_mib, **optimizer, **options)
-
-    plan = plan_for(chosen)
-    turned_on = []
-    for key, value in ESCALATION:
-        if plan.fits:
-            break
-        if key in given or chosen[key] == value:
-            continue
-        chosen[key] = value
-        turned_on.append(f"{key}={value!r}")
-        plan = plan_for(chosen)
-    if not plan.fits:
-        raise ValueError(f"enable_tiling(seq_len={seq_len}): {refusal(plan, model_shape(model))}")
-    if "offload" not in given and chosen["offload"] is None:
-        chosen["offload"] = "auto"  # fits as it is: the rest of the device is spent on speed
-        plan = plan_for(chosen)
-    if plan.optimizer.spec is not None and given.get("optimizer") is not None:
-        chosen["optimizer_placement"] = plan.optimizer.spec.placement
-    return chosen, plan, turned_on
+    checkpointed = bool(checkpointing_modules(model))
+    candidates = []
+    for checkpointing in (True,) if checkpointed else (False, True):
+        shape = model_shape(model, checkpointed=checkpointing)
+        for values in itertools.product(*free.values()):
+            options = {**fixed, **dict(zip(free, values))}
+            if options["offload"] is not None and not checkpointing:
+                continue  # offload moves checkpointed inputs
+            plan = _planned(model, shape, seq_len, 1, 1, gpu_mib, host_mib, optimizer, options)
+            candidates.append(_Candidate(options, checkpointing and not checkpointed, plan,
+                                         step_seconds(shape, plan.options, plan.tokens, plan.placement,
+                                                      plan.attention_kept)))
+    fitting = sorted((c for c in candidates if c.plan.fits), key=lambda c: c.seconds)
+    if not fitting:
+        longest = max(candidates, key=lambda c: c.plan.longest_seq_len)
+        shape = model_shape(model, checkpointed=longest.checkpointing or checkpointed)
+        raise ValueError(f"enable_tiling(seq_len={seq_len}): {refusal(longest.plan, shape)} (with {longest.said()})")
+    best = fitting[0]
+    why = (f"the fastest of {len(fitting)} configurations that fit, about {best.seconds:.1f} s a step by the plan's "
+           "estimate" + (f"; the runner-up, {fitting[1].said()}, about {fitting[1].seconds:.1f} s" if len(fitting) > 1
+                         else ""))
+    chosen = dict(best.options, **({"checkpointing": True} if best.checkpointing else {}))
+    if best.plan.optimizer.spec is not None and given.get("optimizer") is not None:
+        chosen["optimizer_placement"] = best.plan.optimizer.spec.placement
+    return chosen, best.plan, why
 
 
 class AutoPlacement:

@@ -13,7 +13,7 @@ from torch import nn
 from ..distributed.deepspeed import is_zero3_param
 from ..offload.checkpointing import checkpointing_modules
 
-__all__ = ["ModelShape", "model_shape", "local_bytes"]
+__all__ = ["ModelShape", "model_shape", "local_bytes", "decoder_layers"]
 
 
 def local_bytes(p: torch.Tensor) -> int:
@@ -34,7 +34,8 @@ class ModelShape:
     head_dim: int
     vocab: int
     layers: int  # decoder layers of the config
-    checkpointed: int  # of them, the modules that checkpoint their calls (0: no activation checkpointing)
+    checkpointed: int  # of them, the modules that checkpoint their calls (0: no activation checkpointing: then
+    # ``layer_grad_bytes`` and its like are the decoder's layers', each keeping its whole forward's activations)
     act_itemsize: int  # bytes per activation element (the parameters' floating dtype)
     weight_bytes: int
     grad_bytes: int  # every trainable parameter's gradient
@@ -79,10 +80,21 @@ def _call(model: nn.Module, method: str) -> Optional[nn.Module]:
     return None
 
 
-def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> ModelShape:
+def decoder_layers(model: nn.Module, layers: int) -> list[nn.Module]:
+    """The decoder's layers, in forward order: the modules that checkpoint their calls, else the first
+    ``nn.ModuleList`` of ``layers`` items (a model without checkpointing)."""
+    checkpointing = checkpointing_modules(model)
+    if checkpointing:
+        return checkpointing
+    return next((list(m) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == layers), [])
+
+
+def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None,
+                checkpointed: Optional[bool] = None) -> ModelShape:
     """The shapes and per-rank bytes of ``model`` (a Hugging Face causal LM, bare or wrapped). ``act_dtype``: the
-    activations' dtype (under autocast), default the parameters' floating dtype. ValueError, naming what is
-    missing, for a model without a decoder config."""
+    activations' dtype (under autocast), default the parameters' floating dtype. ``checkpointed``: as if its layers
+    checkpointed (True) or not (False) their calls; None: as they do. ValueError, naming what is missing, for a model
+    without a decoder config."""
     config = _text_config(model)
     needed = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
     missing = [k for k in needed if getattr(config, k, None) is None] if config is not None else list(needed)
@@ -102,12 +114,14 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None) -> Mo
     if tied:
         embedding = None  # its gradient comes with the head's, first in backward
     trainable = [p for p in params if p.requires_grad]
-    layers = checkpointing_modules(model)
+    layers = decoder_layers(model, config.num_hidden_layers)
+    if checkpointed is None:
+        checkpointed = bool(checkpointing_modules(model))
     in_layers = {id(p) for m in layers for p in m.parameters()}
     return ModelShape(
         hidden=config.hidden_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, vocab=config.vocab_size, layers=config.num_hidden_layers,
-        checkpointed=len(layers), act_itemsize=itemsize,
+        checkpointed=len(layers) if checkpointed else 0, act_itemsize=itemsize,
         weight_bytes=sum(local_bytes(p) for p in params),
         grad_bytes=sum(local_bytes(p) for p in trainable),
         embedding_grad_bytes=local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0,
