@@ -65,6 +65,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
+from tiledmlp.core.compat import enable_checkpointing  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
@@ -95,7 +96,7 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     return model
 

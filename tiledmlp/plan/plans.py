@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..core.compat import checkpointing_call
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
@@ -223,8 +224,7 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     shape = model_shape(model)
     if not shape.checkpointed:
         raise ValueError(f"plan_memory models a decoder with checkpointed layers, and no module of "
-                         f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
-                         "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
+                         f"{type(model).__name__} checkpoints: call {checkpointing_call(model)} first")
     step = step_options(model, optimizer, **options)
     split = split_of(model)
     step = replace(step, ulysses=sequence_parallel if split is None or split.kind == "sp" else 1)
