@@ -96,6 +96,7 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
+    model.tie_weights()  # transformers 5.0 leaves a model built on the meta device untied (the plan's tests build one)
     enable_checkpointing(model)
     model.train()
     return model
