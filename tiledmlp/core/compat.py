@@ -1,7 +1,7 @@
-"""What differs between the torch and transformers releases tiledmlp supports (pyproject.toml's range; CI tests its
-lowest and newest, ``scripts/versions/``): one function per difference, each branch tested on the release that takes
-it (``tests/unit/core/test_compat.py``). Imports nothing of tiledmlp; transformers only when a model is not one of
-its own, bitsandbytes only for a 4-bit weight."""
+"""What differs between the transformers and bitsandbytes releases tiledmlp supports (pyproject.toml's range; CI
+tests its lowest and newest, ``scripts/versions/``): one function per difference, each branch tested on the release
+that takes it (``tests/unit/core/test_compat.py``). Imports nothing of tiledmlp; transformers only when a model is not
+one of its own, bitsandbytes only for a 4-bit weight."""
 
 from __future__ import annotations
 
