@@ -52,6 +52,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench_mlp import parse_options, release_memory, REPO_ROOT  # noqa: E402
 from reporting import gpu_name, gpu_slug, package_versions  # noqa: E402
+from tiledmlp.core.compat import enable_checkpointing  # noqa: E402
 
 COLUMNS = (
     "wrap", "variant", "rank", "world_size", "tp", "seq_len", "layers", "hidden", "intermediate", "vocab", "grad_ckpt",
@@ -115,7 +116,7 @@ def build_model(args: argparse.Namespace, where: Dist, dtype: torch.dtype, varia
     with torch.device(where.device):
         model = LlamaForCausalLM(llama_config(args)).to(dtype)
     if args.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     tiled_count = 0
     if variant == "tiled":
         import tiledmlp

@@ -77,6 +77,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
+from tiledmlp.core.compat import enable_checkpointing  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
 from optimizer_step import NONE, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
@@ -114,7 +115,8 @@ def build_model(size: dict[str, int], max_tokens: int, device: torch.device, dty
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.tie_weights()  # transformers 5.0 leaves a model built on the meta device untied (the plan's tests build one)
+    enable_checkpointing(model)
     model.train()
     return model
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mlp  # noqa: E402  (the shared measurement machinery)
 import mlp_providers  # noqa: E402
 import reporting  # noqa: E402
+from tiledmlp.core.compat import enable_checkpointing  # noqa: E402
 
 BLOCKS = {  # name: (hidden, expert intermediate, experts, top-k)
     "mixtral": (4096, 14336, 8, 2),
@@ -95,7 +96,7 @@ def run_e2e(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) 
         torch.manual_seed(0)
         with torch.device(device):
             model = Qwen3MoeForCausalLM(config).to(dtype)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         if variant == "tiledmlp":
             tiledmlp.enable_tiling(model, loss=True)
         tokens = args.e2e_start

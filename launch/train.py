@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 
 #: --dtype -> the largest relative parameter difference --compare accepts by default
 DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -213,7 +214,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config)
     if args.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model
 
 

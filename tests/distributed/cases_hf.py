@@ -13,6 +13,7 @@ import functools
 from typing import Any, Callable
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
@@ -224,7 +225,7 @@ def uncached_llama() -> nn.Module:
 
 def checkpointed_llama(attn_implementation: str = "eager") -> nn.Module:
     model = tiny_llama(attn_implementation=attn_implementation)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     return model
 
 

@@ -33,6 +33,7 @@ from common import Env, registry
 from models import tiny_llama
 from trainer_run import trainer_run
 from tiledmlp.attention.layers import attention_layers
+from tiledmlp.core.compat import enable_checkpointing
 
 CASES, case = registry()
 VOCAB, T, STEPS, MICRO, LR = 96, 48, 3, 2, 0.1
@@ -131,7 +132,7 @@ def train_without_engine(env: Env, group: Any, how: str, tiled: bool, shape: dic
     inputs kept on the device and these kinds kept for their recompute (``offload="auto"``'s placement, fixed)."""
     model = llama(env.device, **shape)
     if keeps is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if tiled:
         tiledmlp.enable_tiling(model, tile_tokens=8, loss_scratch_mib=0.01, **options)
     if keeps:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 from mlp_styles import H as STYLE_HIDDEN, STYLES
 from unit_helpers import assert_bf16_within_untiled, llama_mlp, rel_err
 
@@ -239,7 +240,7 @@ def test_host_offload_is_bit_identical_and_frees_the_layer_inputs():
     for target in (None, "cpu"):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).cuda().bfloat16().train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         tiledmlp.enable_tiling(model, loss=True, offload=target)
         for _ in range(2):  # the second step reuses the pinned buffers
             model.zero_grad(set_to_none=True)
@@ -414,7 +415,7 @@ def test_kept_attention_outputs_train_bit_for_bit_on_a_gpu():
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     base = LlamaForCausalLM(config).cuda().bfloat16().train()
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(base)
     options = dict(attention=True, norms=True, scratch_mib=1)  # groups from 2K tokens
     plain = tiledmlp.enable_tiling(copy.deepcopy(base), **options)
     kept = tiledmlp.enable_tiling(copy.deepcopy(base), offload="auto", **options)

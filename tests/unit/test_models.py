@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.patching.state import STATE_ATTR
 from unit_helpers import FAMILIES, assert_close_rel, assert_grads_match, batch, build
 
@@ -48,7 +49,7 @@ def test_activation_checkpointing(use_reentrant):
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), num_shards=3)
     for m in (ref, tiled):
         m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        enable_checkpointing(m, use_reentrant=use_reentrant)
     assert_same_training_signal(tiled, ref, batch())
 
 
@@ -115,7 +116,7 @@ def test_checkpointed_tiled_mlp_is_not_recomputed_by_non_reentrant_checkpoint(mo
 
     model = tiledmlp.enable_tiling(build("llama"), num_shards=3)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_checkpointing(model, use_reentrant=use_reentrant)
     counts = {"forward": 0, "backward": 0}
     real_fwd, real_bwd = MLPForm.forward_shard, MLPForm.backward_shard
 

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.offload import checkpointing, host
 from tiledmlp.loss.heads import UNTILED_TRAINING_CALL
 from unit_helpers import build, rel_err
@@ -100,7 +101,7 @@ def offload_everything(monkeypatch):
 
 def checkpointed_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     ref = build("llama")
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(ref)
     return tiledmlp.enable_tiling(copy.deepcopy(ref), offload="cpu"), ref
 
 

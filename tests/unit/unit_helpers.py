@@ -14,6 +14,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from tiledmlp.core.compat import enable_checkpointing
+
 
 def llama_mlp(hidden: int = 32, intermediate: int = 88, bias: bool = False, act: str = "silu",
               dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
@@ -196,7 +198,7 @@ def checkpointed_llama(layers: int = 4, dropout: float = 0.0, attn_implementatio
                          num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout,
                          attn_implementation=attn_implementation)
     model = tf.LlamaForCausalLM(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     return model
 
 

@@ -3,7 +3,9 @@ node, shards inside, each parameter's gradient handed to autograd once; ``SHARD_
 shard, which the patched forwards read) and its contract with the forms (``form``), how per-shard parameter gradients
 are summed (``accumulate``), how tokens are cut into shards (``sharding``), the same call as one ``torch.compile``
 operator (``compiled``; ``OperatorImpl``, what its implementation must provide, which ``tiledmlp.patching``'s tiling
-state does), a checkpointed call's forward and recompute told apart (``regions``), and warnings said once (``logs``).
+state does), a checkpointed call's forward and recompute told apart (``regions``), warnings said once (``logs``), and
+what differs between the transformers and bitsandbytes releases supported (``compat``: one function per
+difference).
 
 Imports ``tiledmlp.kernels`` only: the core knows no form, wrapper or model.
 """

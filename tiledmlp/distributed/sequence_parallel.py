@@ -97,11 +97,7 @@ def _cp_size(model: nn.Module) -> int:
 
 def _cp_of(mesh: Any) -> int:
     """The ``cp`` size of ``mesh``'s root (a flattened ``dp_shard_cp`` mesh's parent), or 1."""
-    if hasattr(mesh, "_get_root_mesh"):  # torch >= 2.12
-        root = mesh._get_root_mesh()
-    else:
-        resources = getattr(torch.distributed.device_mesh, "_mesh_resources", None)
-        root = resources.get_root_mesh(mesh) if resources is not None else mesh
+    root = mesh._get_root_mesh()
     names = getattr(root, "mesh_dim_names", None) or ()
     return root["cp"].size() if "cp" in names else 1
 

@@ -6,7 +6,8 @@ trainer the callback) and ``axolotl_options`` (its ``tiledmlp:`` config section 
 options, and the settings refused beside it; without Axolotl).
 
 At the top, beside ``patching``; imports what ``enable_tiling``, ``describe`` and ``plan_memory`` are
-(``tiledmlp.patching``, ``tiledmlp.plan``), ``tiledmlp.offload`` (the host memory a process may take), and the host
+(``tiledmlp.patching``, ``tiledmlp.plan``), ``tiledmlp.offload`` (the host memory a process may take),
+``tiledmlp.core.compat`` (transformers' checkpointing method of the installed release), and the host
 framework when its integration is used (transformers here: an extra, never imported by ``tiledmlp``; Axolotl and its
 pydantic in ``axolotl`` only, which this package does not import: Axolotl imports it when a config lists the plugin).
 """

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..core.compat import enable_checkpointing
 from ..offload.host_memory import available_host_bytes
 from ..patching.describe import describe
 from ..patching.enable import enable_tiling
@@ -143,10 +144,7 @@ def _load_config(source: str) -> Any:
 def _checkpointed(model: nn.Module) -> nn.Module:
     """``model`` with non-reentrant checkpointing per layer, as a long-context run trains it (``offload`` and the
     plan need it)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # recent transformers (where the old name warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     return model
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..core.compat import checkpointing_call, checkpointing_method
 from ..core.logs import counted, warn_once
 from ..core.regions import KEEPABLE, CheckpointRegion
 from .chain import LayerCall, recompute_run, rng_state
@@ -246,18 +247,16 @@ def checkpointed_layers(model: torch.nn.Module, offload: Optional[str]) -> list[
     if not layers:
         raise ValueError(
             f"offload={offload!r} moves checkpointed activations to the host, but no module of "
-            f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False}) (activation_checkpointing_enable in recent "
-            "transformers) before enable_tiling, or wrap the layers with torch's checkpoint_wrapper (torchtitan's "
-            "apply_ac), or, in a custom model, use tiledmlp.checkpoint(fn, *args) where it calls "
-            "torch.utils.checkpoint.checkpoint.")
+            f"{type(model).__name__} checkpoints: call {checkpointing_call(model)} before enable_tiling, or wrap "
+            "the layers with torch's checkpoint_wrapper (torchtitan's apply_ac), or, in a custom model, use "
+            "tiledmlp.checkpoint(fn, *args) where it calls torch.utils.checkpoint.checkpoint.")
     for m in layers:
         if _checkpoint_problem(m):
             raise ValueError(
                 f"offload={offload!r} needs non-reentrant checkpointing (torch.utils.checkpoint with "
                 f"use_reentrant=False), but {type(m).__name__} checkpoints with {_original_func(m)!r}: call "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
-                "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT).")
+                f"{checkpointing_call(model)}, or checkpoint_wrapper(..., "
+                "checkpoint_impl=CheckpointImpl.NO_REENTRANT).")
     return layers
 
 
@@ -268,8 +267,8 @@ def _checkpoint_problem(module: torch.nn.Module) -> str:
         return "it no longer checkpoints (gradient checkpointing was disabled)"
     if not (isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint
             and func.keywords.get("use_reentrant") is False):
-        return (f"it now checkpoints with {func!r}, not torch.utils.checkpoint with use_reentrant=False (pass "
-                "gradient_checkpointing_kwargs={'use_reentrant': False}, and no offload=True of transformers' own)")
+        return (f"it now checkpoints with {func!r}, not torch.utils.checkpoint with use_reentrant=False (call "
+                f"{checkpointing_call(module)}, and no offload=True of transformers' own)")
     return ""
 
 
@@ -282,10 +281,10 @@ def _wrap(module: torch.nn.Module, index: int, placement: LayerPlacement) -> Non
 
 class _KeepOffloading:
     """Forward pre-hook on the model ``enable_tiling`` was given: a layer whose checkpoint function was replaced
-    since — ``Trainer(args=TrainingArguments(gradient_checkpointing=True))`` calls ``gradient_checkpointing_enable``
-    (``activation_checkpointing_enable``) when training starts — gets the offloading one again when the new one is
-    non-reentrant torch checkpointing; otherwise its inputs stay on the device, said once and in ``describe()``.
-    Holds the layers' names (copies and pickles of the model keep working)."""
+    since — ``Trainer(args=TrainingArguments(gradient_checkpointing=True))`` calls ``activation_checkpointing_enable``
+    (``gradient_checkpointing_enable`` before transformers 5.23) when training starts — gets the offloading one again
+    when the new one is non-reentrant torch checkpointing; otherwise its inputs stay on the device, said once and in
+    ``describe()``. Holds the layers' names (copies and pickles of the model keep working)."""
 
     def __init__(self, names: list[str], placement: LayerPlacement) -> None:
         self.names, self.placement = names, placement
@@ -307,8 +306,8 @@ class _KeepOffloading:
         offload = self.placement.offload
         if wrapped:
             log.info("offload=%r: the checkpoint function of %s was replaced since enable_tiling "
-                     "(gradient_checkpointing_enable?); their inputs are offloaded again", offload,
-                     counted(len(wrapped), "layer"))
+                     "(%s?); their inputs are offloaded again", offload, counted(len(wrapped), "layer"),
+                     checkpointing_method(model))
         self.problems = {name: problem for problem, names in problems.items() for name in names}
         for problem, names in problems.items():
             warn_once(("offload off", tuple(names), problem), "offload=%r: the inputs of %s (%s) stay on the device "

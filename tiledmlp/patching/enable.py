@@ -97,8 +97,9 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             recompute (no second attention forward; 8.1 KiB per token per layer for Llama-3.1-8B; bit-identical),
             then more inputs kept on the device. A length that fits nowhere is a ``MemoryError`` at the step's
             first layer naming the longest that fits. Needs Hugging Face non-reentrant checkpointing
-            (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
-            before this call); custom models call :func:`checkpoint` instead. Default None.
+            (``model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})``,
+            ``gradient_checkpointing_enable`` before transformers 5.23, before this call); custom models call
+            :func:`checkpoint` instead. Default None.
         gpu_mib, host_mib: ``offload="auto"``'s budgets for one step on this rank (default: what the process may
             use when the step starts, minus margins: free device memory and what its allocator holds; available host
             memory, control-group aware).

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..core.compat import checkpointing_call
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
@@ -309,8 +310,8 @@ def _planned(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int,
     step = step_options(model, optimizer, placements[0] if placed else None, **options)
     if step.offload is not None and not shape.checkpointed:
         raise ValueError(f"offload={step.offload!r} moves checkpointed layers' inputs, and no module of "
-                         f"{type(model).__name__} checkpoints: call model.gradient_checkpointing_enable("
-                         "gradient_checkpointing_kwargs={'use_reentrant': False}) first, or plan offload=None")
+                         f"{type(model).__name__} checkpoints: call {checkpointing_call(model)} first, or plan "
+                         "offload=None")
     split = split_of(model)
     step = replace(step, ulysses=sequence_parallel if split is None or split.kind == "sp" else 1)
     gpu, host = budgets(model, step.gpu_mib if gpu_mib is None else gpu_mib,

@@ -4,7 +4,7 @@ the layouts a module's children allow), ``probe`` (a candidate's own forward com
 decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normalization layers), ``projections``
 (LoRA-adapted projections).
 
-Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core.logs``.
+Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core`` (``logs``, ``compat``).
 (``tiledmlp.recognize`` was one module before the subpackages; what it exported still reads from here until 0.5.0, with
 a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
 """

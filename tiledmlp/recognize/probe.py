@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.compat import matmul_4bit
 from ..distributed.detect import fsdp2_units_below, is_dtensor
 from ..distributed.hooks import silenced_hooks
 from ..forms.base import Slot, dedupe, swapped
@@ -259,8 +260,6 @@ def dequantized_linear_problem(lin: LinearLike) -> str:
     (what ``Linear4bit.forward``, its class's own, calls) against ``F.linear`` with the weight dequantized. The
     weight is read whole (an FSDP2 shard gathered; ZeRO-3 gathered it for the probe). "" if it matches, else
     what differs."""
-    import bitsandbytes as bnb
-
     m = lin.weight.owner
     problem = dequantizable(m)
     if problem:
@@ -274,7 +273,7 @@ def dequantized_linear_problem(lin: LinearLike) -> str:
     bias = None if getattr(m, "bias", None) is None else m.bias.detach().float()
     bias = bias.full_tensor() if bias is not None and is_dtensor(bias) else bias
     with torch.no_grad(), exact_float32():
-        got = bnb.matmul_4bit(tokens, packed, quant_state=state, bias=bias)
+        got = matmul_4bit(tokens, packed, state, bias)
         want = F.linear(tokens, dequantize(packed, state, torch.float32), bias)
     err = rel_max_err(got, want)
     if err > PROBE_RTOL:

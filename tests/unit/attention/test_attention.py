@@ -20,6 +20,7 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.attention.layers import GroupedAttentionMode, attention_scopes
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.patching.state import STATE_ATTR
 from tiledmlp.attention.grouped import (attention_scratch_per_token, backend_name, grouped_attention, kv_heads_per_call,
                                         sdpa_kernel_name)
@@ -127,7 +128,7 @@ def test_trains_like_untiled(family):
 
 def test_with_checkpointing_offload_norms_and_loss():
     ref = sdpa_model("llama", num_hidden_layers=3)
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(ref)
     ref.train()
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), loss=True, norms=True, offload="cpu", attention=True,
                                    scratch_mib=TINY_SCRATCH_MIB)

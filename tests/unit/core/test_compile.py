@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.patching.state import STATE_ATTR
 from tiledmlp.loss.heads import COMPILED_HEAD
 from mlp_styles import H, STYLES
@@ -149,7 +150,7 @@ def test_moe_experts_compile_fullgraph(family):
 def test_checkpointed_layers_compile_fullgraph():
     """Non-reentrant checkpointing, then compile per layer: the operator is recomputed like any op."""
     model = build("llama", use_cache=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     eager = tiledmlp.enable_tiling(model, num_shards=3)
     compiled = copy.deepcopy(eager)

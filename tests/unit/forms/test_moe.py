@@ -73,7 +73,7 @@ def test_family_matches_untiled_with_router_aux_loss(family, implementation):
     ids = batch()
     got, want = step(tiled, ids), step(ref, ids)
     assert_close_rel(got.loss.detach(), want.loss.detach(), TOL, "loss")
-    if want.aux_loss is not None:
+    if getattr(want, "aux_loss", None) is not None:  # transformers 5.0: no aux_loss in every MoE output
         assert_close_rel(got.aux_loss.detach(), want.aux_loss.detach(), TOL, "aux loss")
     assert_grads_match(tiled, ref, TOL)
     tiledmlp.disable_tiling(tiled)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
+from tiledmlp.core.compat import checkpointing_method, enable_checkpointing
 from tiledmlp.offload import host
 from tiledmlp.offload.checkpointing import OffloadingCheckpointFunc, offloader_for
 from tiledmlp.offload.host import HostOffload
@@ -28,7 +29,7 @@ def llama(reentrant: bool = False, checkpointing: bool = True) -> nn.Module:
                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
     model = transformers.LlamaForCausalLM(config).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable_checkpointing(model, use_reentrant=reentrant)
     return model
 
 
@@ -196,7 +197,7 @@ def test_no_grad_offloads_nothing():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: llama(checkpointing=False), ("no module", "gradient_checkpointing_enable", "tiledmlp.checkpoint")),
+    (lambda: llama(checkpointing=False), ("no module", checkpointing_method(None), "tiledmlp.checkpoint")),
     (lambda: llama(reentrant=True), ("non-reentrant", "use_reentrant': False")),
 ])
 def test_refused_without_non_reentrant_checkpointing(make, words):

@@ -12,6 +12,7 @@ import torch
 
 import tiledmlp
 from tiledmlp.core import logs
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.patching.call_spec import TiledCallSpec
 from unit_helpers import llama_mlp
 
@@ -113,7 +114,7 @@ def test_compiled_model_trains_exactly_like_eager(per_layer, checkpointing):
 
     ref = build("llama")
     if checkpointing:
-        ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(ref)
         ref.train()
     eager = tiledmlp.enable_tiling(ref, num_shards=3, loss=True, loss_scratch_mib=0.01)
     compiled = copy.deepcopy(eager)

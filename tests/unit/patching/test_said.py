@@ -12,6 +12,7 @@ import torch
 
 import tiledmlp
 from tiledmlp.core import logs
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.offload import checkpointing, host
 from unit_helpers import batch, build
 
@@ -54,7 +55,7 @@ def test_offload_of_a_model_on_the_cpu_is_said(caplog, monkeypatch):
     monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
     monkeypatch.setattr(host, "MIN_BYTES", 0)  # the tiny model's layer inputs offloaded too
     model = build("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     tiledmlp.enable_tiling(model, offload="cpu")
     ids = batch()

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import tiledmlp
 import tiledmlp.patching.call_spec
+from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.recognize.norms import recognize_norm
 from tiledmlp.recognize.modules import param_slots
 from tiledmlp.core.sharding import ShardPolicy, norm_scratch_per_token
@@ -279,7 +280,7 @@ def test_with_checkpointing_and_host_offload_bit_for_bit_like_without_offload():
     from tiledmlp.offload.checkpointing import offloaded_layers
 
     ref = build("llama", use_cache=False)
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(ref)
     ref.train()
     runs = []
     for options in ({}, {"offload": "cpu"}):

@@ -16,6 +16,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 import tiledmlp
+from tiledmlp.core.compat import enable_checkpointing
 from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, build, rel_err,
                           train_side_by_side)
 
@@ -128,7 +129,7 @@ def test_with_checkpointing_and_host_offload_as_untiled():
     """The long-context configuration (checkpointed layers, loss, norms, projections, layer inputs on the host)
     against the untiled checkpointed model."""
     ref = lora_model(use_cache=False)
-    ref.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(ref.base_model.model)
     ref.train()
     tiled = tiledmlp.enable_tiling(copy.deepcopy(ref), norms=True, projections=True, offload="cpu", tile_tokens=9)
     assert tiledmlp.offloaded_layers(tiled)
