@@ -95,7 +95,7 @@ COLUMNS = ("variant", "optimizer", "T", "attn", "documents", "peak_gib", "predic
            "predicted_host_gib", "host_rss_gib", "placement", "optimizer_placement", "step_s", "optimizer_s",
            "tokens_per_s", "steps", "loss", "losses", "gpu_mib", "host_mib", "scale_to", "full_gpu_mib",
            "full_host_mib", "full_plan_gib", "full_plan_host_gib", "full_placement", "full_longest", "gpu_name",
-           "torch", "triton", "transformers", "liger", "tiledmlp", "date")
+           "torch", "triton", "transformers", "liger", "tiledmlp", "date", "loop")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -170,9 +170,16 @@ def batch_of(vocab: int, tokens: int, packed: bool, device: torch.device) -> dic
     return {"input_ids": ids, "labels": labels, "position_ids": position_ids}
 
 
-def loss_of(model: nn.Module, variant: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def loss_of(model: nn.Module, variant: str, batch: dict[str, torch.Tensor],
+            kept: Optional[list[Any]] = None) -> torch.Tensor:
+    """The step's loss. ``kept``: accelerate's loop (``outputs = model(**batch); outputs.loss.backward()``): the
+    whole output is kept, through backward and until the next step's forward has returned; None: the Trainer's (only
+    the loss is kept)."""
     if variant not in LIGER:
-        return model(**batch).loss
+        outputs = model(**batch)
+        if kept is not None:
+            kept[:] = [outputs]
+        return outputs.loss
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -258,7 +265,9 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     warmup = getattr(args, "warmup_steps", None)
     warmup = (1 if steps > 1 else 0) if warmup is None else warmup
     try:  # untimed first steps (default: one when several are timed)
-        timed = training_steps(model, optimizer, lambda: loss_of(model, variant, batch), warmup, steps, device)
+        kept: Optional[list[Any]] = [] if getattr(args, "loop", "trainer") == "accelerate" else None
+        timed = training_steps(model, optimizer, lambda: loss_of(model, variant, batch, kept), warmup, steps, device)
+        del kept
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
         plan = predicted(model, variant, tokens, optimizer)
     finally:
@@ -328,6 +337,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", default=NONE,
                         help="comma-separated optimizers, each variant runs with each (optimizer_step.py; default "
                              "none: forward + backward only)")
+    parser.add_argument("--loop", choices=("trainer", "accelerate"), default="trainer",
+                        help="trainer: only the loss kept through backward; accelerate: the whole output kept, "
+                             "outputs = model(**batch); outputs.loss.backward() (default trainer)")
     parser.add_argument("--scale-to", type=int, default=None,
                         help="the whole model's layers: --layers of them run within their share of the budgets")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")
@@ -358,6 +370,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             **{key: package_version(key) for key in ("triton", "transformers", "liger", "tiledmlp")},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     args.out.mkdir(parents=True, exist_ok=True)
+    meta["loop"] = args.loop
     stem = (f"bench_longctx_{gpu_slug(device)}" + ("" if args.model == "1b" else f"_{args.model}")
             + ("_packed" if args.packed else "") + (f"_{args.tag}" if args.tag else "")
             + ("_smoke" if args.smoke else ""))

@@ -90,7 +90,7 @@ __all__ = [
     "auto_num_shards",
     "STRATEGY_NAMES",
 ]
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 #: The import paths of older versions (``tiledmlp.function``, ``tiledmlp.offload.offloader_for``, ...) still import,
 #: with a DeprecationWarning naming the new path, until 0.5.0: ``tiledmlp/_deprecated.py``.

@@ -352,23 +352,24 @@ class TiledCausalLMLoss:
             if owner.calls:
                 owner.calls[-1].release_head()
         if loss.grad_fn is not None:  # lazy_logits' design note "the hidden states after the loss's backward"
-            loss.grad_fn.register_prehook(_ReleaseHidden(logits.recipe))
+            loss.grad_fn.register_prehook(_ReleaseHidden(logits))
         return loss
 
 
 class _ReleaseHidden:
-    """A pre-hook on the tiled loss's node: the placeholder's recipe lets go of the hidden states as the loss's
-    backward begins (held weakly: the hook must not keep the recipe, or its hidden states, alive)."""
+    """A pre-hook on the tiled loss's node: the placeholder lets go of the hidden states as the loss's backward
+    begins, unless its logits were read (their own backward may need them; and they hold far more). Held weakly: the
+    hook must not keep the placeholder, or its hidden states, alive."""
 
-    __slots__ = ("recipe",)
+    __slots__ = ("logits",)
 
-    def __init__(self, recipe: Any) -> None:
-        self.recipe = weakref.ref(recipe)
+    def __init__(self, logits: LazyLogits) -> None:
+        self.logits = weakref.ref(logits)
 
     def __call__(self, grad_outputs: Any) -> None:
-        recipe = self.recipe()
-        if recipe is not None:
-            recipe.release()
+        logits = self.logits()
+        if logits is not None and not logits.materialized:
+            logits.recipe.release()
 
 
 def patch_owner(model: nn.Module, owner: LossOwner, head_state: Any) -> None:

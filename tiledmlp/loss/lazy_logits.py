@@ -358,21 +358,25 @@ def _fold_step(self: LazyLogits, func: Any, rest: tuple, kwargs: dict) -> Option
 
 
 class _LazyHead(torch.autograd.Function):
-    """Makes the placeholder an output of ``(hidden, weight, bias)`` for autograd. Its backward runs only
-    when materialized logits are differentiated; it is then the ``nn.Linear`` backward."""
+    """Makes the placeholder an output of ``(hidden, weight, bias)`` for autograd. Its backward does work only
+    when materialized logits are differentiated; it is then the ``nn.Linear`` backward. It also runs, with no
+    gradient, where a wrapper passes every output through a node of its own (DDP's ``_DDPSink`` with
+    ``find_unused_parameters`` or ``static_graph``): that is not a read, and needs neither the hidden states (let go
+    as the loss's backward began) nor the head."""
 
     @staticmethod
     def forward(ctx, state: _State, shape: torch.Size, dtype: torch.dtype, hidden: torch.Tensor,
                 weight: torch.Tensor, bias: Optional[torch.Tensor]) -> LazyLogits:
         ctx.recipe = state.recipe  # holds hidden and the parameters by reference (nothing is copied)
+        ctx.set_materialize_grads(False)  # no gradient stays None: not a tensor of zeros to multiply through
         return LazyLogits(state, shape, dtype, hidden.device)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: Optional[torch.Tensor]):
+        if grad is None or not any(ctx.needs_input_grad[3:]):
+            return (None,) * 6
         recipe: LogitsRecipe = ctx.recipe
         recipe.check()
-        if not any(ctx.needs_input_grad[3:]):
-            return (None,) * 6
         # ZeRO-3: the head gathered again, each trainable parameter until its gradient is accumulated
         with torch.enable_grad(), gathered_for_backward(recipe.head_params()):
             leaves = [None if t is None else t.detach().requires_grad_(need)

@@ -312,10 +312,12 @@ def _memory_plan(model: nn.Module, seq_len: Optional[int]) -> Optional[MemoryPla
     if seq_len is None:
         return None
     try:
-        return plan_memory(model, seq_len)
-    except ValueError as why:  # no decoder config, or no checkpointed layers
+        plan = plan_memory(model, seq_len)
+    except ValueError as why:  # no decoder config
         log.debug("describe: no memory plan for %s: %s", type(model).__name__, why)
         return None
+    # a model without checkpointing is planned by plan_memory, with terms not measured: not shown unasked
+    return plan if plan.checkpointed else None
 
 
 def log_summary(model: nn.Module) -> None:

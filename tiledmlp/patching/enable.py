@@ -26,7 +26,8 @@ from ..optimizers.spec import BACKWARD, NAMES as OPTIMIZER_NAMES
 from ..plan.memory import StepOptions
 from ..optimizers.in_backward import is_stepped_in_backward, step_in_backward
 from ..plan.optimizer import optimizer_memory, placements_for
-from ..plan.plans import OPTIONS_ATTR, AutoPlacement, options_for_length
+from ..plan.choose import options_for_length
+from ..plan.plans import OPTIONS_ATTR, AutoPlacement
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
 from .patch import check_model, install, tiled_names, uninstall

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -16,15 +15,15 @@ from ..core.compat import checkpointing_call
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
-from ..offload.checkpointing import checkpointing_modules, pinned_bytes
+from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
-from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions, place
+from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
+from .placement import place
 from .shapes import ModelShape, local_bytes, model_shape
-from .timing import step_seconds
 
-__all__ = ["MemoryPlan", "plan_memory", "step_options", "tiled_step_options", "AutoPlacement", "budgets", "refusal",
-           "options_for_length", "CHOICES", "OPTIONS_ATTR"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "tiled_step_options", "AutoPlacement",
+           "budgets", "refusal", "OPTIONS_ATTR"]
 
 log = logging.getLogger("tiledmlp")
 
@@ -295,11 +294,11 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     if unknown:
         raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
                         f"{list(PLANNED_OPTIONS)}")
-    return _planned(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
+    return plan_for_shape(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
                     {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
 
 
-def _planned(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int, sequence_parallel: int,
+def plan_for_shape(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int, sequence_parallel: int,
              gpu_mib: Optional[float], host_mib: Optional[float], optimizer: dict[str, Any],
              options: dict[str, Any]) -> MemoryPlan:
     """:func:`plan_memory` of ``model`` as ``shape`` says it is (checkpointed or not), its arguments checked."""
@@ -344,63 +343,6 @@ def refusal(plan: MemoryPlan, shape: ModelShape) -> str:
             f"{plan.longest_seq_len:,} tokens" + (f"; {_would_fit(plan, shape)}" if _would_fit(plan, shape) else
                                                  "; fewer tokens per step, more ranks for the sequence, or more memory "
                                                  "(gpu_mib/host_mib) would"))
-
-
-#: the memory options ``enable_tiling(model, seq_len=T)`` chooses among where they are not given: of the combinations
-#: that fit, the fastest by the plan's estimate (``tiledmlp.plan.timing``, design note), the fewest options on a tie
-CHOICES = {"norms": (False, True), "attention": (False, True), "offload": (None, "cpu", "auto")}
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    options: dict[str, Any]
-    checkpointing: bool  # the model's layers checkpoint (turned on where they did not)
-    plan: MemoryPlan
-    seconds: float
-
-    def said(self) -> str:
-        on = [f"{k}={v!r}" for k, v in self.options.items() if k in CHOICES and v not in (False, None)]
-        return ", ".join(on + (["checkpointing"] if self.checkpointing else [])) or "no option"
-
-
-def options_for_length(model: nn.Module, seq_len: int, given: dict[str, Any], gpu_mib: Optional[float] = None,
-                       host_mib: Optional[float] = None) -> tuple[dict[str, Any], MemoryPlan, str]:
-    """The options of ``enable_tiling`` for steps of ``seq_len`` tokens: those ``given``, and of the others
-    (:data:`CHOICES`) those with which the step fits the budgets and is fastest by the plan's estimate
-    (``tiledmlp.plan.timing``), an optimizer given by name placed the fastest way that fits (:func:`plan_memory`); a
-    model that does not checkpoint is planned as it is, and with its layers checkpointed where it must be. Returns the
-    options (``checkpointing=True`` where it must be turned on; ``optimizer_placement`` where one was placed), their
-    plan, and why, with the runner-up, in one phrase. ValueError, with the longest length any of them fits and with
-    which options, when none fits."""
-    free = {key: values for key, values in CHOICES.items() if key not in given}
-    fixed = {"loss": given.get("loss") is not False, "projections": given.get("projections", False),
-             **{key: given[key] for key in CHOICES if key in given}}
-    optimizer = {key: given[key] for key in ("optimizer", "optimizer_placement") if given.get(key) is not None}
-    checkpointed = bool(checkpointing_modules(model))
-    candidates = []
-    for checkpointing in (True,) if checkpointed else (False, True):
-        shape = model_shape(model, checkpointed=checkpointing)
-        for values in itertools.product(*free.values()):
-            options = {**fixed, **dict(zip(free, values))}
-            if options["offload"] is not None and not checkpointing:
-                continue  # offload moves checkpointed inputs
-            plan = _planned(model, shape, seq_len, 1, 1, gpu_mib, host_mib, optimizer, options)
-            candidates.append(_Candidate(options, checkpointing and not checkpointed, plan,
-                                         step_seconds(shape, plan.options, plan.tokens, plan.placement,
-                                                      plan.attention_kept)))
-    fitting = sorted((c for c in candidates if c.plan.fits), key=lambda c: c.seconds)
-    if not fitting:
-        longest = max(candidates, key=lambda c: c.plan.longest_seq_len)
-        shape = model_shape(model, checkpointed=longest.checkpointing or checkpointed)
-        raise ValueError(f"enable_tiling(seq_len={seq_len}): {refusal(longest.plan, shape)} (with {longest.said()})")
-    best = fitting[0]
-    why = (f"the fastest of {len(fitting)} configurations that fit, about {best.seconds:.1f} s a step by the plan's "
-           "estimate" + (f"; the runner-up, {fitting[1].said()}, about {fitting[1].seconds:.1f} s" if len(fitting) > 1
-                         else ""))
-    chosen = dict(best.options, **({"checkpointing": True} if best.checkpointing else {}))
-    if best.plan.optimizer.spec is not None and given.get("optimizer") is not None:
-        chosen["optimizer_placement"] = best.plan.optimizer.spec.placement
-    return chosen, best.plan, why
 
 
 class AutoPlacement:

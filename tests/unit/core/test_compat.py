@@ -45,7 +45,7 @@ def test_messages_name_the_installed_method():
     call = f"model.{METHOD}({METHOD.replace('_enable', '_kwargs')}={{'use_reentrant': False}})"
     assert checkpointing_call(llama()) == call
     with pytest.raises(ValueError, match="call " + call.replace("(", r"\(").replace(")", r"\)")):
-        tiledmlp.plan_memory(llama(), 128)
+        tiledmlp.plan_memory(llama(), 128, offload="cpu")  # offload moves checkpointed inputs
     with pytest.raises(ValueError, match=rf"no module of LlamaForCausalLM checkpoints: call model\.{METHOD}\("):
         tiledmlp.enable_tiling(llama(), offload="cpu")
 

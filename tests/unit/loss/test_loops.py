@@ -67,3 +67,18 @@ def test_logits_read_before_backward_are_right_and_after_it_say_when_to_read_the
     late.loss.backward()
     with pytest.raises(ValueError, match=r"Read out\.logits before loss\.backward\(\)"):
         late.logits.sum()
+
+
+def test_both_loops_measured_the_same_on_a_gpu():
+    """One H200, the 8B shape, 2 layers, ``offload="auto"`` within 60,000 / 12,000 MiB: accelerate's loop peaks where
+    the Trainer's does at each length (before: the final hidden states more, 8 KiB a token: 6 GiB at 786,432 tokens);
+    both within 3% of the plan (``tests/unit/plan/test_memory.py`` re-plans every row)."""
+    import csv
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+    peaks = {loop: {row["T"]: float(row["peak_gib"]) for row in csv.DictReader(
+        (results / f"bench_longctx_nvidia-h200_8b_loops_2l_{loop}.csv").open())} for loop in ("trainer", "accelerate")}
+    assert len(peaks["trainer"]) == 3 and peaks["trainer"].keys() == peaks["accelerate"].keys()
+    for tokens, peak in peaks["trainer"].items():
+        assert abs(peaks["accelerate"][tokens] / peak - 1) < 0.005, (tokens, peaks)

@@ -441,11 +441,12 @@ def _adam_step(model):
                          ids=lambda f: f.__name__.strip("_"))
 def test_logits_read_after_the_head_changed_are_refused(write):
     """Read after the head's weight or bias changed — through ``.data`` too, which bumps no version counter — the
-    logits would be the new weights' (before: silently, off by ~0.2 here): refused, naming the fix."""
+    logits would be the new weights' (before: silently, off by ~0.2 here): refused, naming the fix. (``out``'s own
+    loss is not backpropagated here: that alone lets the placeholder go of its hidden states, ``test_loops.py``.)"""
     model = tiled_copy(biased_lm())
     ids = batch()
     out = model(input_ids=ids, labels=labels_of(ids))
-    out.loss.backward()
+    model(input_ids=ids, labels=labels_of(ids)).loss.backward()  # gradients for the optimizer's step
     write(model)
     with pytest.raises(ValueError, match="changed in place since that forward.*Read out.logits before updating"):
         out.logits.sum()  # any read that needs the values

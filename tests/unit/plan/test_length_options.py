@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tiledmlp
 from tiledmlp.core.compat import checkpointing_method
 from tiledmlp.offload.checkpointing import checkpointing_modules
-from tiledmlp.plan.plans import options_for_length
+from tiledmlp.plan.choose import options_for_length
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))

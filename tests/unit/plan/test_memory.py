@@ -13,7 +13,8 @@ import torch
 
 import tiledmlp
 from tiledmlp.core.compat import checkpointing_method
-from tiledmlp.plan.memory import GPU, HOST, RECOMPUTE, arrange, attention_kept_bytes, step_peak
+from tiledmlp.plan.memory import GPU, HOST, RECOMPUTE, attention_kept_bytes, step_peak
+from tiledmlp.plan.placement import arrange
 from tiledmlp.plan.plans import step_options
 from tiledmlp.plan.shapes import model_shape
 
