@@ -367,13 +367,15 @@ class BackwardReentryCounter:
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.counts = dict.fromkeys(modules, 0)
-        self._handles = [m.register_forward_pre_hook(functools.partial(self._hook, name), prepend=True)
-                         for name, m in modules.items()]
+        # one hook for every module, which finds the module's name itself: a hook bound to each name (a partial)
+        # makes torch 2.10's Dynamo guard each compiled block on its own name, and compile every block again
+        self._names = {id(m): name for name, m in modules.items()}
+        self._handles = [m.register_forward_pre_hook(self._hook, prepend=True) for m in modules.values()]
 
-    def _hook(self, name: str, module: nn.Module, args: Any) -> None:
+    def _hook(self, module: nn.Module, args: Any) -> None:
         # Compiled forwards are never inside a backward (and Dynamo cannot trace the task id).
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            self.counts[name] += 1
+            self.counts[self._names[id(module)]] += 1
 
     def remove(self) -> None:
         for h in self._handles:

@@ -56,8 +56,10 @@ class LogitTransform:
     softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.scale, (int, float)) and self.scale == self.scale and abs(self.scale) < float("inf")):
-            raise ValueError(f"logit scale must be a finite number, got {self.scale!r}")
+        scale = self.scale
+        if not (isinstance(scale, (int, float)) and scale == scale and 0 < abs(scale) < float("inf")):
+            raise ValueError(f"logit scale must be a finite nonzero number (0 would make every logit 0), got "
+                             f"{self.scale!r}")
         if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and self.softcap > 0):
             raise ValueError(f"softcap must be a positive number or None, got {self.softcap!r}")
 

@@ -231,12 +231,30 @@ def _check_label_values(labels: torch.Tensor, vocab: int, ignore_index: int, nam
                          f"ignore_index ({ignore_index}); fix the labels or pass the right ignore_index")
 
 
+def _check_num_items(num_items: Any) -> None:
+    """``num_items_in_batch``: a positive count (a number, or a one-element tensor: one device sync), the divisor of
+    the summed loss; 0 or less would make the loss inf, NaN or negative rather than an error."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.is_complex():
+            raise TypeError(f"num_items_in_batch must be a number or a one-element real tensor, got a tensor of shape "
+                            f"{tuple(num_items.shape)} and dtype {num_items.dtype}")
+        value = float(num_items.detach().reshape(()))
+    elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
+        raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {num_items!r}")
+    else:
+        value = float(num_items)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"num_items_in_batch must be the positive number of label tokens the summed loss is divided "
+                         f"by, got {value!r} (a batch whose every label is ignore_index has no loss to normalize)")
+
+
 def _coefficient(labels: torch.Tensor, spec: CrossEntropySpec, num_items_in_batch: NumItems,
                  dtype: torch.dtype) -> torch.Tensor:
     """The per-token weight that makes ``sum`` of the node's output the requested loss."""
     if num_items_in_batch is not None:
         if spec.reduction == "none":
             raise ValueError("num_items_in_batch normalizes a summed loss; it cannot go with reduction='none'")
+        _check_num_items(num_items_in_batch)
         return torch.as_tensor(num_items_in_batch, device=labels.device).to(dtype).reciprocal()
     if spec.reduction == "mean":  # F.cross_entropy: over the labels that are not ignore_index (0/0: NaN)
         return (labels != spec.ignore_index).sum().to(dtype).reciprocal()

@@ -15,17 +15,18 @@ from torch import nn
 from ..attention.layers import attention_scopes, install_attention, uninstall_attention
 from ..core.accumulate import check_accum_dtype
 from ..core.compat import checkpointing_call, enable_checkpointing
-from ..core.sharding import LOSS_MODES, ShardPolicy, check_budget_mib
+from ..core.sharding import LOSS_MODES, ShardPolicy
 from ..forms.kind import Kind
 from ..distributed.context_parallel import check_grouped_kv_under_cp
 from ..distributed.selection import STRATEGY_NAMES
 from ..distributed.sequence_parallel import ulysses_module
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
-from ..optimizers.spec import BACKWARD, NAMES as OPTIMIZER_NAMES
+from ..optimizers.spec import BACKWARD
 from ..plan.memory import StepOptions
 from ..optimizers.in_backward import is_stepped_in_backward, step_in_backward
-from ..plan.optimizer import optimizer_memory, placements_for
+from ..plan.arguments import check_flag, check_memory_options
+from ..plan.optimizer import optimizer_memory
 from ..plan.choose import options_for_length
 from ..plan.plans import OPTIONS_ATTR, AutoPlacement
 from .describe import log_summary
@@ -163,7 +164,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
     check_model(model, "enable_tiling")
     check_grouped_kv_under_cp(model)
-    _check_optimizer(model, options.get("optimizer"), options.get("optimizer_placement"))
+    check_memory_options(model, dict(options, loss=loss))
     seq_len = options.pop("seq_len", None)
     if seq_len is not None:
         loss = _options_for(model, seq_len, loss, options)
@@ -173,33 +174,23 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     if form not in _FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {list(_FORMS)}")
     accum = check_accum_dtype(options.get("grad_accum_dtype"), "grad_accum_dtype")
-    extra_types = tuple(options.get("mlp_types", ()))
-    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in extra_types):
-        raise TypeError(f"mlp_types must be nn.Module subclasses, got {extra_types!r}")
+    extra_types = _mlp_types(options.get("mlp_types", ()))
+    include_moe = options.get("include_moe", True)
+    check_flag("include_moe", include_moe)
     policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
                          inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
-    if loss is not None and not isinstance(loss, bool):
-        raise TypeError(f"loss must be None (the default: tiled where the model has an LM head it can tile), True "
-                        f"or False, got {loss!r}")
     loss_options = None if loss is False else _loss_options(options)
     offload = options.get("offload")
     offload_layers = checkpointed_layers(model, offload)
     budgets = {key: options.get(key) for key in ("gpu_mib", "host_mib")}
     for key, value in budgets.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value < float("inf")):
-            raise ValueError(f"{key} must be a number of MiB >= 0 (a budget of offload='auto') or None for what this "
-                             f"process may use, got {value!r}")
         if value is not None and offload != "auto" and seq_len is None:
             raise ValueError(f"{key} is a budget of offload='auto' (where each checkpointed layer's input waits); "
                              f"pass offload='auto' with it, or leave it out")
 
     norms, projections = options.get("norms", False), options.get("projections", False)
     attention = options.get("attention", False)
-    for option, value in (("norms", norms), ("projections", projections), ("attention", attention)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{option} must be True or False, got {value!r}")
-    plan_options = PlanOptions(strategy, policy, extra_types, bool(options.get("include_moe", True)), form, accum,
+    plan_options = PlanOptions(strategy, policy, extra_types, include_moe, form, accum,
                                norms, projections)
     states = plan(model, plan_options, loss_options, loss_required=loss is True)
     layers = attention_scopes(model, states) if attention else []
@@ -261,16 +252,15 @@ def _place_optimizer_object(optimizer: Any, placement: Optional[str]) -> None:
                  type(optimizer).__name__)
 
 
-def _check_optimizer(model: nn.Module, optimizer: Any, placement: Any) -> None:
-    if optimizer is None:
-        if placement is not None:
-            raise ValueError(f"optimizer_placement={placement!r} places the optimizer given as optimizer=...; none is")
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer) and (
-            not isinstance(optimizer, str) or optimizer not in OPTIMIZER_NAMES):
-        raise ValueError(f"optimizer must be None, a torch.optim.Optimizer or one of {sorted(OPTIMIZER_NAMES)}, "
-                         f"got {optimizer!r}")
-    placements_for(optimizer, next((p.device for p in model.parameters()), torch.device("cpu")), placement)
+def _mlp_types(value: Any) -> tuple[type, ...]:
+    """``mlp_types`` as a tuple of ``nn.Module`` subclasses (``TypeError`` naming the option otherwise)."""
+    if isinstance(value, type) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"mlp_types must be a list of nn.Module subclasses, got {value!r}"
+                        + (f" (a class itself: pass [{value.__name__}])" if isinstance(value, type) else ""))
+    types = tuple(value)
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"mlp_types must be a list of nn.Module subclasses, got {types!r}")
+    return types
 
 
 def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
@@ -295,8 +285,7 @@ def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], pro
 
 
 def _loss_options(options: dict[str, Any]) -> LossOptions:
-    scratch = options.get("loss_scratch_mib")
-    check_budget_mib("loss_scratch_mib", scratch)
+    scratch = options.get("loss_scratch_mib")  # checked with the memory options (tiledmlp.plan.arguments)
     mode = options.get("loss_mode", "auto")
     if mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")

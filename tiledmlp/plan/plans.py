@@ -17,6 +17,7 @@ from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
 from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
+from .arguments import check_memory_options
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .placement import place
@@ -120,9 +121,9 @@ class MemoryPlan:
             lines.append("  to fit: " + (self.would_fit or "fewer tokens per step, more ranks for the sequence, or "
                                          "more memory (gpu_mib/host_mib)"))
         if self.placement and not self.checkpointed:
-            lines.append("  not measured: a model without checkpointing keeps each layer's activations (counted as what "
-                         "a layer's recompute would rebuild); enable_tiling(model, seq_len=T) turns checkpointing on "
-                         "where it does not fit without")
+            lines.append("  not measured: a model without checkpointing keeps each layer's activations (counted as "
+                         "what a layer's recompute would rebuild); enable_tiling(model, seq_len=T) turns checkpointing "
+                         "on where it does not fit without")
         width = max(len(t.name) for t in self.peak.terms)
         lines += [f"    {t.where:<4}  {t.name:<{width}}  {_gib(t.nbytes):>11}  {t.note}".rstrip()
                   for t in self.peak.terms]
@@ -285,15 +286,18 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     offloads its optimizer (DeepSpeed ``offload_optimizer``, FSDP2 ``CPUOffloadPolicy``) is planned with the engine's
     placement. Without one, the plan counts no optimizer and its table says so. Runs nothing on the model; costs no
     communication."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int (tokens per sequence), got {seq_len!r}")
-    if batch_size < 1 or sequence_parallel < 1 or seq_len * batch_size % sequence_parallel:
-        raise ValueError(f"batch_size ({batch_size}) and sequence_parallel ({sequence_parallel}) must be positive, "
-                         "and the batch's tokens must split evenly over the sequence-parallel ranks")
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("sequence_parallel", sequence_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if seq_len * batch_size % sequence_parallel:
+        raise ValueError(f"the batch's {seq_len * batch_size} tokens must split evenly over the {sequence_parallel} "
+                         "sequence-parallel ranks")
     unknown = sorted(set(options) - set(PLANNED_OPTIONS))
     if unknown:
         raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
                         f"{list(PLANNED_OPTIONS)}")
+    check_memory_options(model, dict(options, optimizer=optimizer, optimizer_placement=optimizer_placement,
+                                     gpu_mib=gpu_mib, host_mib=host_mib))
     return plan_for_shape(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
                     {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
 
