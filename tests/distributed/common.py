@@ -339,7 +339,7 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
     from unittest import mock
 
     import tiledmlp.core.function
-    import tiledmlp.patching.state
+    import tiledmlp.patching.forwards
 
     found = {"calls": 0, "shards": 0}
     if not enabled:
@@ -352,9 +352,9 @@ def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
             found[labels[name]] += 1
         return torch.profiler.record_function(name, *args, **kwargs)
 
-    # The eager path labels in core/function.py, the compiled one (the custom operator's body) in patching/state.py.
+    # The eager path labels in core/function.py, the compiled one (the custom operator's body) in patching/forwards.py.
     with contextlib.ExitStack() as stack:
-        for module in (tiledmlp.core.function, tiledmlp.patching.state):
+        for module in (tiledmlp.core.function, tiledmlp.patching.forwards):
             stack.enter_context(mock.patch.object(module, "record_function", counting))
         yield found
 

@@ -16,9 +16,9 @@ What crosses the operator boundary:
 * tensors: the tokens ``x``, every parameter tensor the form reads (explicit inputs, as in eager: the
   backward operator's outputs are their gradients, which autograd accumulates once, so every wrapper's
   hook fires once per backward), and the MoE form's routing tensors;
-* the module's *key*: an empty CPU tensor, one per tiled module, that carries the module as a Python
-  attribute (:func:`module_key`). To Dynamo it is one more tensor input — guarded on its metadata, which
-  every layer shares, never on its identity — so the decoder layers of a model share one compiled graph
+* the module's *key*: an empty CPU tensor, one per tiled module, that carries the module and what the operators
+  run for it as Python attributes (:func:`module_key`). To Dynamo it is one more tensor input — guarded on its
+  metadata, which every layer shares, never on its identity — so the decoder layers of a model share one compiled graph
   (no recompile per layer), and AOTAutograd saves it for backward (and for a checkpointed region's
   recompute) like any tensor. Copies and pickles of a tensor copy its attributes, so a copied model's
   keys name the copied modules. (torch's opaque reference objects would say the same more directly,
@@ -41,10 +41,11 @@ form. Where the operator cannot be exact (parameters still sharded as DTensors o
 arguments, a generic module the graph cannot size, hooks on a MoE experts module's children) the call keeps
 the eager path and one graph break, said once in a log line (``patching/forwards.py``).
 
-What the operators run is not here: they find the tiled module's state in its ``__dict__`` (:data:`STATE_ATTR`) and
-call its :class:`OperatorImpl` methods, which the tiling state (``tiledmlp.patching.state.TilingState``, the top
-layer) implements. :class:`OperatorImpl` is that contract, declared here so that the dependency shows in an import
-and is checked: the state subclasses it, and :func:`_state` refuses an object that does not satisfy it.
+What the operators run is not here: they call the :class:`OperatorImpl` the key carries, which the top layer
+implements (``tiledmlp.patching.forwards.CompiledCall``, beside the traced forward; it reads the module's tiling
+state from its ``__dict__``, :data:`STATE_ATTR`). :class:`OperatorImpl` is that contract, declared here so that the
+dependency shows in an import and is checked: the implementation subclasses it, and :func:`_impl` refuses a key
+whose object does not satisfy it.
 """
 
 from __future__ import annotations
@@ -57,16 +58,18 @@ import torch
 __all__ = ["STATE_ATTR", "OperatorImpl", "autocast_name", "module_key", "tiled_call"]
 
 #: Where a tiled module keeps its tiling state (``tiledmlp.patching.state.TilingState``), in its ``__dict__``: the
-#: operators find a module's state there, and everything that patches or reads a tiled module uses this name.
+#: operators' implementation finds a module's state there, and everything that patches or reads a tiled module uses
+#: this name.
 STATE_ATTR = "_tiledmlp_state"
 
 _MODULE_ATTR = "_tiledmlp_module"
+_IMPL_ATTR = "_tiledmlp_impl"
 
 
 @runtime_checkable
 class OperatorImpl(Protocol):
-    """What the operators call on the state a tiled module keeps under :data:`STATE_ATTR`: the eager call, cut at
-    the autograd node, on the tensors the compiled graph passes (``tiledmlp.patching.state.TilingState``)."""
+    """What the operators call for the module a key names (the object the key carries): the eager call, cut at the
+    autograd node, on the tensors the compiled graph passes (``tiledmlp.patching.forwards.CompiledCall``)."""
 
     def op_forward(self, module: torch.nn.Module, x: torch.Tensor, params: list[torch.Tensor],
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
@@ -80,10 +83,11 @@ class OperatorImpl(Protocol):
         ...
 
 
-def module_key(module: torch.nn.Module) -> torch.Tensor:
-    """A new key naming ``module`` to the operators (see the design note)."""
+def module_key(module: torch.nn.Module, impl: OperatorImpl) -> torch.Tensor:
+    """A new key naming ``module`` to the operators, which run ``impl`` for it (see the design note)."""
     key = torch.empty(0)
     setattr(key, _MODULE_ATTR, module)
+    setattr(key, _IMPL_ATTR, impl)
     return key
 
 
@@ -91,19 +95,16 @@ def _module(key: torch.Tensor) -> torch.nn.Module:
     return getattr(key, _MODULE_ATTR)
 
 
-def _state(key: torch.Tensor) -> OperatorImpl:
-    """The operators' implementation for the module ``key`` names: its tiling state; TypeError if that is missing or
-    is not an :class:`OperatorImpl` (an ``isinstance`` against the protocol: a few microseconds per operator call)."""
-    module = _module(key)
-    state = module.__dict__.get(STATE_ATTR)
-    if not isinstance(state, OperatorImpl):
+def _impl(key: torch.Tensor) -> OperatorImpl:
+    """What the operators run for the module ``key`` names; TypeError if it is not an :class:`OperatorImpl` (an
+    ``isinstance`` against the protocol: a few microseconds per operator call)."""
+    impl = getattr(key, _IMPL_ATTR, None)
+    if not isinstance(impl, OperatorImpl):
         raise TypeError(
-            f"tiledmlp::tiled_call: the {type(module).__name__} it was traced for holds "
-            f"{'no tiling state' if state is None else type(state).__name__} under {STATE_ATTR!r}, not an "
-            "OperatorImpl (op_forward, op_backward; tiledmlp.core.compiled): its tiling was undone or replaced "
-            "after the graph was traced. Run a compiled forward's backward before tiledmlp.disable_tiling, and tile "
-            "modules with tiledmlp.enable_tiling rather than by setting that attribute")
-    return state
+            f"tiledmlp::tiled_call: the key of the {type(_module(key)).__name__} it was traced for carries "
+            f"{type(impl).__name__}, not an OperatorImpl (op_forward, op_backward; tiledmlp.core.compiled): make keys "
+            "with module_key(module, impl); tiledmlp.enable_tiling makes them")
+    return impl
 
 
 def autocast_name(device_type: str) -> str:
@@ -165,7 +166,7 @@ def _tiled_call(key: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor], 
     """The tiled module's output for ``x`` (no autograd graph: ``register_autograd`` below makes the node); with a
     ``seed``, by the generic form."""
     with _autocast(x, autocast), torch.no_grad(), _seeded(seed, x.device):
-        return _state(key).op_forward(_module(key), x, params, token_inputs, generic=seed is not None)
+        return _impl(key).op_forward(_module(key), x, params, token_inputs, generic=seed is not None)
 
 
 @_tiled_call.register_fake
@@ -182,7 +183,7 @@ def _tiled_call_backward(key: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
     """``[dx, d token inputs..., d params...]`` for the needed ones; an empty tensor for the others."""
     generic = seed is not None  # only its backward records a graph (the fast forms compute their gradients)
     with _autocast(x, autocast), _seeded(seed, x.device), _autograd_inside() if generic else contextlib.nullcontext():
-        grads = _state(key).op_backward(_module(key), grad, x, params, token_inputs, needs, generic=generic)
+        grads = _impl(key).op_backward(_module(key), grad, x, params, token_inputs, needs, generic=generic)
     return [g if g is not None else x.new_empty(0) for g in grads]
 
 

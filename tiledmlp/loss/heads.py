@@ -263,7 +263,7 @@ class TiledHeadForward:
         weight, bias = spec.params()
         call = owner.calls[-1]
         call.release_head()  # a second head call in one model call: the first one's hold ends
-        call.release = self.state.strategy(owner.head).hold_gathered(owner.head)
+        call.release = self.state.choice.strategy(owner.head).hold_gathered(owner.head)
         return lazy_logits(LogitsRecipe(x, weight, bias, on_materialize=owner.materialized))
 
     def _said_untiled(self, name: str) -> None:
@@ -345,7 +345,7 @@ class TiledCausalLMLoss:
                                      scratch_mib=options.scratch_mib, mode=options.mode)
         hidden = logits.hidden
         try:
-            loss = linear_cross_entropy(state.strategy(owner.head), owner.head, spec.params, hidden,
+            loss = linear_cross_entropy(state.choice.strategy(owner.head), owner.head, spec.params, hidden,
                                         shift_labels.reshape(hidden.shape[:-1]), loss_spec, num_items_in_batch,
                                         options.grad_accum_dtype, spec.name)
         finally:

@@ -32,7 +32,7 @@ from ..forms.spec import FormSpec, Layout, Reading
 __all__ = ["Opened", "PreparedCall", "TiledCallSpec"]
 
 #: The strategy's step of one call (``Strategy.opened``'s signature): ``(module, name, x, read)`` to a context whose
-#: value is the call's local tensors. A patched module passes its state's (``TilingState.opened``), which chooses
+#: value is the call's local tensors. A patched module passes its choice's (``StrategyChoice.opened``), which chooses
 #: the strategy in the same step: one trip into ``distributed/`` per call.
 Opened = Callable[[nn.Module, str, torch.Tensor, Callable[[], Reading]], ContextManager[Localized]]
 
@@ -83,7 +83,8 @@ class TiledCallSpec:
                  x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
         """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form). ``token_inputs``:
         a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens). ``opened``:
-        the strategy's step (a ``Strategy``'s ``opened``, or a patched module's state's, which also chooses it)."""
+        the strategy's step (a ``Strategy``'s ``opened``, or a patched module's ``StrategyChoice``'s, which also
+        chooses it)."""
         read = functools.partial(self.form.read, fast_allowed)
         with record_function("tiledmlp::call"), opened(module, self.name, x, read) as local:
             run = self.prepare(local, module, forward, token_inputs)

@@ -1,7 +1,8 @@
 """The forwards installed on tiled modules: the eager tiled call (``_tiled_forward``: the module's input cut into
 shards by its :class:`~tiledmlp.patching.state.TilingState`'s spec, or its own forward where tiling cannot help or would
-skip code), and what Dynamo traces instead (``_traced_forward``: one ``tiledmlp::tiled_call`` operator). Bound to
-each module as a method (:func:`tiled_forward_of`), which copies and pickles rebuild.
+skip code), what Dynamo traces instead (``_traced_forward``: one ``tiledmlp::tiled_call`` operator), and that
+operator's body (:class:`CompiledCall`: the eager call cut at the autograd node, which the operators run through each
+module's key). Bound to each module as a method (:func:`tiled_forward_of`), which copies and pickles rebuild.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..attention.layers import reduce_layer_method
 from ..attention.norm_outputs import remember_norm_output
-from ..core.compiled import autocast_name, tiled_call
-from ..core.function import SHARD_DEPTH
+from ..core.compiled import OperatorImpl, autocast_name, tiled_call
+from ..core.function import SHARD_DEPTH, backward_shards, forward_shards
 from ..core.logs import warn_once, warn_once_traced
 from ..distributed.detect import is_dtensor
 from ..distributed.hooks import HOOK_TABLES, hooked_children
@@ -29,7 +31,7 @@ from .planning import replan
 from .state import STATE_ATTR, TilingState, original_forward
 
 
-__all__ = ["followed", "tiled_forward_of"]
+__all__ = ["COMPILED_CALL", "CompiledCall", "followed", "tiled_forward_of"]
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
@@ -210,6 +212,70 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
                       generic=generic or len(hooked) > 0 or len(changed) > 0)
 
 
+class CompiledCall(OperatorImpl):
+    """The compiled call's operators' body (``core/compiled.py``), as their contract OperatorImpl says: the eager
+    call, cut at the autograd node, on the tensors the compiled graph passes, for the module's tiling state now."""
+
+    def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
+                   token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
+        state = _operated_state(module)
+        read = functools.partial(state.spec.form.given, params, not generic)
+        with record_function("tiledmlp::call"), state.choice.opened(module, state.spec.name, x, read) as local:
+            run = state.spec.prepare(local, module, original_forward(module), token_inputs)
+            with record_function("tiledmlp::forward"):
+                outs = forward_shards(run.call, run.x, local.params, run.token_inputs)
+        # A fast form's output has the input's tokens and the width its weight says (a projection's may differ).
+        shaped = len(outs) == 1 and outs[0] is not None and (
+            outs[0].shape == x.shape if generic else outs[0].shape[:-1] == x.shape[:-1])
+        if run.call.form.returned_tuple or not shaped:
+            # Only a generic-form module can get here: its outputs were sized (in the graph) like its input.
+            raise RuntimeError(
+                f"{state.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
+                f"tensor shaped like its input {tuple(x.shape)}; this one returned "
+                f"{[None if o is None else tuple(o.shape) for o in outs]}. Call it outside the compiled region, "
+                "or tiledmlp.disable_tiling(module).")
+        return outs[0]
+
+    def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
+                    token_inputs: list[torch.Tensor], needs: list[bool], generic: bool) -> list[Optional[torch.Tensor]]:
+        """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
+        gradient at its first position only, as autograd sums the positions)."""
+        state = _operated_state(module)
+        local = state.choice.strategy(module).local_call(state.spec.name, x, state.spec.form.given(params, not generic),
+                                                         module)
+        run = state.spec.prepare(local, module, original_forward(module), token_inputs)
+        n = len(token_inputs)
+        need_params = needs[1 + n:]
+        unique_needs = [any(need for need, u in zip(need_params, local.index) if u == j)
+                        for j in range(len(local.params))]
+        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, local.params, run.token_inputs,
+                                                     [grad.reshape(run.x.shape[0], -1)], needs[0],
+                                                     [*needs[1:1 + n], *unique_needs])
+        first = {u: i for i, u in reversed(list(enumerate(local.index)))}
+        param_grads = [unique_grads[u] if need and first[u] == i else None
+                       for i, (u, need) in enumerate(zip(local.index, need_params))]
+        return [None if dx is None else dx.view(x.shape),
+                *[None if d is None else d.view(t.shape) for d, t in zip(d_tokens, token_inputs)], *param_grads]
+
+
+#: What the operators run for every tiled module: each module's key carries it (``patch.add``).
+COMPILED_CALL = CompiledCall()
+
+
+def _operated_state(module: nn.Module) -> TilingState:
+    """``module``'s tiling state, for the operator traced for it; TypeError where its tiling was undone or replaced
+    since the graph was traced."""
+    state = module.__dict__.get(STATE_ATTR)
+    if not isinstance(state, TilingState):
+        raise TypeError(
+            f"tiledmlp::tiled_call: the {type(module).__name__} it was traced for holds "
+            f"{'no tiling state' if state is None else type(state).__name__} under {STATE_ATTR!r}, not a TilingState "
+            "(tiledmlp.patching.state): its tiling was undone or replaced after the graph was traced. Run a compiled "
+            "forward's backward before tiledmlp.disable_tiling, and tile modules with tiledmlp.enable_tiling rather "
+            "than by setting that attribute")
+    return state
+
+
 @torch.compiler.disable
 def _planned_again(module: nn.Module, args: tuple, kwargs: dict):
     """The eager call of a module whose submodules changed since it was planned: it plans the module again
@@ -279,7 +345,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
                   "bitsandbytes' own forward per shard", state.spec.name, problem)
     if fast:
         state.fallback = ""  # describe() says what the last call did
-    out = state.spec(state.opened, module, shard_forward, x, fast_allowed=fast)
+    out = state.spec(state.choice.opened, module, shard_forward, x, fast_allowed=fast)
     if state.remembers_output and not extra:
         remember_norm_output(out, x, functools.partial(_norm_again, module))
     return out
@@ -311,4 +377,4 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
         warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "
                   "call the children, so these calls run the experts untiled", state.spec.name, ", ".join(hooked))
         return original(*args, **kwargs)
-    return state.spec(state.opened, module, None, x, token_inputs=(index, weights))
+    return state.spec(state.choice.opened, module, None, x, token_inputs=(index, weights))

@@ -8,7 +8,6 @@ the patched forwards ``tiledmlp.patching.forwards``'s, the state they share ``ti
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import replace
 from typing import Iterator, Optional
 
@@ -18,10 +17,9 @@ from ..core.compiled import module_key
 from ..core.logs import warn_once
 from ..forms.kind import Kind
 from ..distributed.detect import module_path
-from ..distributed.selection import StrategyChoice
 from ..distributed.sequence_parallel import split_of
 from ..loss.heads import OWNER_ATTR, LossOwner, TiledHeadForward, check_causal_lm, patch_owner, unpatch_owner
-from .forwards import tiled_forward_of
+from .forwards import COMPILED_CALL, tiled_forward_of
 from .planning import head_slots
 from .state import STATE_ATTR, TilingState, original_forward
 
@@ -61,7 +59,7 @@ def add(model: nn.Module, states: dict[str, TilingState], modules: Optional[dict
             state.spec.owner.on_new_head = _follow_new_head
             patch_owner(modules[state.spec.owner.module_name], state.spec.owner, state)
         else:
-            state.key = module_key(module)
+            state.key = module_key(module, COMPILED_CALL)
             module.forward = tiled_forward_of(module)
 
 
@@ -86,8 +84,9 @@ def _follow_new_head(lm: nn.Module) -> None:
             if module is not old and getattr(module.__dict__.get(STATE_ATTR), "kind", None) == Kind.LOSS:
                 _restore(module)
         return
-    moved = replace(state, spec=replace(state.spec, slots=head_slots(new)), saved_forward=new.__dict__.get("forward"),
-                    path=[*state.path[:-1], weakref.ref(new)], _choice=StrategyChoice())
+    slots = head_slots(new)
+    moved = replace(state, spec=replace(state.spec, slots=slots), saved_forward=new.__dict__.get("forward"),
+                    choice=state.choice.moved_to(new, slots))
     _restore(old)
     owner.head = new
     new.__dict__[STATE_ATTR] = moved
@@ -129,7 +128,7 @@ def tiled_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, TilingState
         state = module.__dict__.get(STATE_ATTR)
         if state is None:
             continue
-        strategy = state.strategy_at(module_path(model, module))
+        strategy = state.choice.strategy_at(module_path(model, module))
         yield name, module, state, strategy.name + suffix
 
 

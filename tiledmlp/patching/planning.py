@@ -26,17 +26,14 @@ Recognized (outermost match wins, so experts inside a tiled MoE block are not ti
 from __future__ import annotations
 
 import inspect
-import weakref
 from dataclasses import replace
 from typing import Optional
 
 from torch import nn
 
 from ..core.logs import warn_once
-from ..distributed.deepspeed import check_deepspeed_module
-from ..distributed.detect import Wrapping, fsdp2_units_below, module_path
-from ..distributed.selection import owning_units, strategy_for, validate_forced, wrapping_of
-from ..distributed.strategies import Strategy
+from ..distributed.detect import fsdp2_units_below, module_path
+from ..distributed.selection import StrategyChoice, WrappingQuery
 from ..forms.base import Slot
 from ..forms.kind import Kind
 from ..forms.mlp import MLPLayout
@@ -54,23 +51,12 @@ def _input_names(forward) -> list[str]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def _strategy_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str,
-                 label: str, rec: Optional[Recognized] = None) -> tuple[Optional[Strategy], list, bool]:
-    """``(forced strategy or None for run-time detection, weak path from the root, whether a forced strategy is to
-    be checked again at the first call under a wrapper)`` of a tiled module (``rec``: how it was recognized, for its
-    tensor-parallel plan; None for an LM head)."""
-    path = module_path(model, module)
-    wrapping, tp = wrapping_of(path, slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
-    if wrapping is Wrapping.DEEPSPEED:
-        check_deepspeed_module(label, module)
-    units = owning_units(path, wrapping)
-    if strategy == "auto":
-        # Unwrapped (TP or not): decided at the first call and again whenever the wrapping may have changed
-        # (distributed/selection.py, StrategyChoice), so wrapping the model later still counts.
-        forced = None if wrapping is Wrapping.NONE else strategy_for(wrapping, units, tp)
-    else:
-        forced = validate_forced(strategy, wrapping, label, units, tp)
-    return forced, [weakref.ref(m) for m in path], strategy != "auto" and wrapping is Wrapping.NONE
+def _choice_of(model: nn.Module, module: nn.Module, slots: tuple[Slot, ...], strategy: str, label: str,
+               rec: Optional[Recognized] = None) -> StrategyChoice:
+    """The strategy choice of a tiled module (``rec``: how it was recognized, for its tensor-parallel plan; None for
+    an LM head), checked against its wrapping now (``StrategyChoice.planned``)."""
+    query = WrappingQuery(slots, rec and rec.layout, label, rec.reason if rec else "", head=rec is None)
+    return StrategyChoice.planned(module_path(model, module), query, strategy)
 
 
 def plan(model: nn.Module, options: PlanOptions, loss: Optional[LossOptions] = None,
@@ -139,16 +125,16 @@ def _module_state(model: nn.Module, module: nn.Module, label: str, rec: Recogniz
             "MLP without calling those units' hooks. Apply fully_shard to the MLP or a module "
             "above it (e.g. the decoder layer) instead."
         )
-    forced, path, recheck = _strategy_of(model, module, rec.slots, options.strategy, label, rec)
+    choice = _choice_of(model, module, rec.slots, options.strategy, label, rec)
     spec = TiledCallSpec(name=label, slots=rec.slots, policy=options.policy, layout=rec.layout,
                          is_moe=rec.moe_block, sized_by_copies=rec.kind in (Kind.NORM, Kind.PROJ),
                          grad_accum_dtype=options.grad_accum_dtype, quantized=rec.quantized)
     names = _input_names(original_forward(module))
-    return TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module),
-                       forced, path, reason=rec.reason, warn=rec.warn, computes=rec.computes,
+    return TilingState(spec, rec.kind, names[0] if names else "hidden_states", saved_forward(module), choice,
+                       reason=rec.reason, warn=rec.warn, computes=rec.computes,
                        token_input_names=tuple(names[1:3]) if rec.kind == Kind.MOE else (),
                        traced=traced_call_of(module, rec), adapters=rec.adapters, members=tuple(module.named_modules()),
-                       options=options, recheck=recheck)
+                       options=options)
 
 
 def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
@@ -159,7 +145,7 @@ def replan(module: nn.Module, state: TilingState, changes: str) -> TilingState:
     Runs the recognition probe: under ZeRO-3 or tensor parallelism a collective, which every rank reaches at the
     same call, as the same change was made on all of them."""
     options = state.options
-    path = [m for m in (ref() for ref in state.path) if m is not None] or [module]
+    path = [m for m in (ref() for ref in state.choice.path) if m is not None] or [module]
     model = next((m for m in path if not type(m).__module__.startswith("peft")), path[0])
     if not any(m is module for m in model.modules()):
         model = module
@@ -249,10 +235,10 @@ def _plan_head(model: nn.Module, strategy: str, options: LossOptions, lm_name: s
     name = _qualified_name(model, head)
     label = name or type(head).__name__
     slots = head_slots(head)
-    forced, path, recheck = _strategy_of(model, head, slots, strategy, label)
+    choice = _choice_of(model, head, slots, strategy, label)
     owner = LossOwner(lm_name or type(lm).__name__, lm_name, head, labels_position(lm))
     spec = HeadSpec(label, slots, options, owner)
-    return name, TilingState(spec, Kind.LOSS, "input", saved_forward(head), forced, path, recheck=recheck)
+    return name, TilingState(spec, Kind.LOSS, "input", saved_forward(head), choice)
 
 
 def head_slots(head: nn.Module) -> tuple[Slot, ...]:

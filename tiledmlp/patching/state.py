@@ -1,8 +1,9 @@
-"""The per-module tiling state: what the patched forward of one tiled module needs (:class:`TilingState`: its call spec,
-form, strategy, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the
-options to plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`, and the operators'
-implementations the compiled call runs on it (:class:`~tiledmlp.core.compiled.OperatorImpl`). Imported by the
-planning (which makes states), the patched forwards (which read them) and the installer; imports none of them.
+"""The per-module tiling state: the plan of one tiled module (:class:`TilingState`: its call spec, form, strategy
+choice, the forward it replaced, how compiled code reaches it, the submodules it was planned for and the options to
+plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`. The strategy is picked by its
+:class:`~tiledmlp.distributed.selection.StrategyChoice`, the calls run by ``forwards.py`` (eager, traced, and the
+compiled operator's body). Imported by the planning (which makes states), the patched forwards (which read them) and
+the installer; imports none of them.
 
 Design note — a module that changed since it was planned
 --------------------------------------------------------
@@ -21,23 +22,17 @@ planned again, with the options ``enable_tiling`` was given (:class:`PlanOptions
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
-from ..core.compiled import STATE_ATTR, OperatorImpl
-from ..core.function import backward_shards, forward_shards
+from ..core.compiled import STATE_ATTR
 from ..core.sharding import ShardPolicy
-from ..distributed.detect import Wrapping
-from ..distributed.selection import StrategyChoice, owning_units, validate_forced, wrapping_of
-from ..distributed.strategies import Strategy
-from ..distributed.tensor_parallel import Localized
+from ..distributed.selection import StrategyChoice
 from ..forms.base import read_slots
 from ..forms.kind import Kind
-from ..forms.spec import Reading
 from .call_spec import TiledCallSpec
 
 __all__ = ["STATE_ATTR", "PlanOptions", "TilingState", "TracedCall"]
@@ -59,9 +54,8 @@ class PlanOptions:
 
 
 @dataclass
-class TilingState(OperatorImpl):
-    """Everything the patched forward of one module needs, and the compiled call's operators (``core/compiled.py``)
-    through :class:`~tiledmlp.core.compiled.OperatorImpl`, which it implements."""
+class TilingState:
+    """Everything the patched forward of one module needs: its plan."""
 
     spec: TiledCallSpec
     kind: Kind  # the form
@@ -69,11 +63,7 @@ class TilingState(OperatorImpl):
     # The instance forward before patching; None when the instance had none (a value, not a sentinel
     # object, so that copies and pickles of the model still recognize it).
     saved_forward: Any
-    forced: Optional[Strategy]  # a forced (or enable-time-wrapped) strategy; None: detect per call
-    # Weak references to the modules from the root to this one, for run-time detection when tiling
-    # was enabled before wrapping (fully_shard changes those modules' classes in place). Weak, so a
-    # deep copy of one MLP does not drag the whole model along.
-    path: list = field(default_factory=list)
+    choice: StrategyChoice  # its strategy: forced, or ``auto``'s (``distributed/selection.py``)
     reason: str = ""  # why a module that looks like an MLP got the generic form
     warn: bool = False  # whether that reason is worth a warning (not for a form the user asked for)
     computes: str = ""  # what a fast form computes, in the module's own names
@@ -91,10 +81,6 @@ class TilingState(OperatorImpl):
     members: tuple = ()
     options: Optional[PlanOptions] = None
     untiled: str = ""  # why a module that changed since enable_tiling runs its own forward ("" while it is tiled)
-    # a strategy the user forced while the module was unwrapped: checked against the wrapping at the first call that
-    # finds one (as a strategy forced on a wrapped module is checked when tiling is enabled)
-    recheck: bool = False
-    _choice: StrategyChoice = field(default_factory=StrategyChoice)  # strategy="auto": the last decision
 
     def changes(self, module: nn.Module) -> str:
         """What was replaced, added or removed below ``module`` since it was planned ("" if nothing): an identity
@@ -123,93 +109,6 @@ class TilingState(OperatorImpl):
             return read_slots(self.spec.slots)
         except AttributeError:
             return None
-
-    def _path_to(self, module: nn.Module) -> list[nn.Module]:
-        """The modules from the root to ``module`` (``module`` alone where the path is gone or is another's)."""
-        path = [m for m in (ref() for ref in self.path) if m is not None]
-        return path if path and path[-1] is module else [module]
-
-    def strategy(self, module: nn.Module) -> Strategy:
-        return self.strategy_at(self._path_to(module))
-
-    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor,
-               read: Callable[[], Reading]) -> ContextManager[Localized]:
-        """The strategy's part of one call of ``module`` (``Strategy.opened``), with ``auto``'s choice in the same
-        step (``StrategyChoice.opened``): the call goes into ``distributed/`` once for both."""
-        if self.forced is not None:
-            return self.strategy(module).opened(module, module_name, x, read)
-        return self._choice.opened(self._path_to(module), module=module, x=x, read=read, **self._wrapping_facts())
-
-    def strategy_at(self, path: list[nn.Module]) -> Strategy:
-        """The strategy of the module at the end of ``path`` (root first), as wrapped now."""
-        if self.forced is not None:
-            if self.recheck:
-                self._check_forced(path)
-            return self.forced
-        return self.detected(path)
-
-    def _check_forced(self, path: list[nn.Module]) -> None:
-        """A forced strategy against the wrapping the module has now; ValueError naming the fitting one when it does
-        not match (``strategy="plain"`` given before DDP or FSDP wrapped the model)."""
-        wrapping, tp = wrapping_of(path, **self._wrapping_facts())
-        if wrapping is not Wrapping.NONE:
-            self.forced = validate_forced(self.forced.name, wrapping, self.spec.name, owning_units(path, wrapping), tp)
-            self.recheck = False
-
-    def detected(self, path: list[nn.Module]) -> Strategy:
-        """The strategy ``auto`` picks for this module at the end of ``path`` (root first), as wrapped now: decided
-        once per wrapping (``distributed.selection``, design note "decided once, checked cheaply")."""
-        return self._choice.choose(path, **self._wrapping_facts())
-
-    def _wrapping_facts(self) -> dict[str, Any]:
-        """What reading this module's wrapping takes besides its path (``distributed.selection``): its slots, fast
-        layout, name, why it takes the generic form, and whether it is an LM head."""
-        return dict(slots=self.spec.slots, layout=getattr(self.spec, "layout", None), label=self.spec.name,
-                    reason=self.reason, head=self.kind == Kind.LOSS)
-
-    def __getstate__(self):  # picklable: weak references and run-time caches are dropped
-        return {**self.__dict__, "path": [], "_choice": StrategyChoice()}
-
-    # The compiled call's operators (``core/compiled.py``), as their contract OperatorImpl says: the eager call, cut
-    # at the autograd node, on the tensors the compiled graph passes.
-
-    def op_forward(self, module: nn.Module, x: torch.Tensor, params: list[torch.Tensor],
-                   token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
-        read = functools.partial(self.spec.form.given, params, not generic)
-        with record_function("tiledmlp::call"), self.opened(module, self.spec.name, x, read) as local:
-            run = self.spec.prepare(local, module, original_forward(module), token_inputs)
-            with record_function("tiledmlp::forward"):
-                outs = forward_shards(run.call, run.x, local.params, run.token_inputs)
-        # A fast form's output has the input's tokens and the width its weight says (a projection's may differ).
-        shaped = len(outs) == 1 and outs[0] is not None and (
-            outs[0].shape == x.shape if generic else outs[0].shape[:-1] == x.shape[:-1])
-        if run.call.form.returned_tuple or not shaped:
-            # Only a generic-form module can get here: its outputs were sized (in the graph) like its input.
-            raise RuntimeError(
-                f"{self.spec.name}: under torch.compile the tiled call of a generic-form module must return one "
-                f"tensor shaped like its input {tuple(x.shape)}; this one returned "
-                f"{[None if o is None else tuple(o.shape) for o in outs]}. Call it outside the compiled region, "
-                "or tiledmlp.disable_tiling(module).")
-        return outs[0]
-
-    def op_backward(self, module: nn.Module, grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
-                    token_inputs: list[torch.Tensor], needs: list[bool], generic: bool) -> list[Optional[torch.Tensor]]:
-        """``[dx, d token inputs..., d params...]`` (None where not needed; a tensor given twice gets its
-        gradient at its first position only, as autograd sums the positions)."""
-        local = self.strategy(module).local_call(self.spec.name, x, self.spec.form.given(params, not generic), module)
-        run = self.spec.prepare(local, module, original_forward(module), token_inputs)
-        n = len(token_inputs)
-        need_params = needs[1 + n:]
-        unique_needs = [any(need for need, u in zip(need_params, local.index) if u == j)
-                        for j in range(len(local.params))]
-        dx, d_tokens, unique_grads = backward_shards(run.call, run.x, local.params, run.token_inputs,
-                                                     [grad.reshape(run.x.shape[0], -1)], needs[0],
-                                                     [*needs[1:1 + n], *unique_needs])
-        first = {u: i for i, u in reversed(list(enumerate(local.index)))}
-        param_grads = [unique_grads[u] if need and first[u] == i else None
-                       for i, (u, need) in enumerate(zip(local.index, need_params))]
-        return [None if dx is None else dx.view(x.shape),
-                *[None if d is None else d.view(t.shape) for d, t in zip(d_tokens, token_inputs)], *param_grads]
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def test_a_call_takes_one_step_into_the_strategy_and_one_into_the_form():
     state = mlp.__dict__[STATE_ATTR]
     x = torch.randn(1, 16, 32, requires_grad=True)
     mlp(x)  # the first call decides what can be decided
-    strategy = state.strategy(mlp)
+    strategy = state.choice.strategy(mlp)
     went = moves(lambda: state.spec(strategy.opened, mlp, None, x))
     assert went[("patching", "distributed")] == 1
     assert went[("distributed", "forms")] == 1
