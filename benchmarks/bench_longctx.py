@@ -29,6 +29,9 @@ Variants (the same model object, re-configured between them):
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
 * ``mlp+liger``   tiled MLPs and Liger's fused linear cross-entropy.
+* ``seq_len``     ``tiledmlp.enable_tiling(model, seq_len=T)`` within ``--gpu-mib`` / ``--host-mib``: the options the
+                  plan ranks fastest among those that fit (the ``chosen`` column says which, and the runner-up), to
+                  check its choice against the variants it chose among, measured side by side.
 
 ``--optimizer`` (``benchmarks/optimizer_step.py``): each variant with each optimizer given (``none``: forward +
 backward only; ``adamw``, torch's fused AdamW as the Trainer builds it; ``adamw-foreach``; ``adamw8bit``; a placement
@@ -84,18 +87,19 @@ from optimizer_step import NONE, optimizer_for, parse_optimizers, split, trainin
 from optimizer_step import sync  # noqa: E402, F401 (other benchmarks import it from here)
 from tiledmlp.optimizers.spec import spec_named  # noqa: E402
 from tiledmlp.plan.optimizer import optimizer_memory  # noqa: E402
-from tiledmlp.plan.plans import budgets  # noqa: E402
+from tiledmlp.plan.plans import budgets, tiled_step_options  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
-            "loss+norms+auto+attn", "liger", "mlp+liger")
+            "loss+norms+auto+attn", "liger", "mlp+liger", "seq_len")
+CHOSEN = "seq_len"  # the variant whose options enable_tiling(seq_len=T) chooses
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "optimizer", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib",
            "predicted_host_gib", "host_rss_gib", "placement", "optimizer_placement", "step_s", "optimizer_s",
            "tokens_per_s", "steps", "loss", "losses", "gpu_mib", "host_mib", "scale_to", "full_gpu_mib",
            "full_host_mib", "full_plan_gib", "full_plan_host_gib", "full_placement", "full_longest", "gpu_name",
-           "torch", "triton", "transformers", "liger", "tiledmlp", "date", "loop")
+           "torch", "triton", "transformers", "liger", "tiledmlp", "date", "loop", "chosen")
 #: model shapes (``--model``): Llama-3.2-1B (tied embeddings) and Llama-3.1-8B (untied)
 MODELS = {"1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
           "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False)}
@@ -130,7 +134,11 @@ def configure(model: nn.Module, variant: str, gpu_mib: Optional[float] = None, h
     ``tokens`` puts it within the budgets."""
     tiledmlp.disable_tiling(model)
     parts = set(variant.split("+"))
-    if parts & {"mlp", "loss"}:
+    if variant == CHOSEN:
+        budgets = {k: v for k, v in (("gpu_mib", gpu_mib), ("host_mib", host_mib)) if v is not None}
+        named = {} if optimizer == NONE else {"optimizer": split(optimizer)[0]}
+        tiledmlp.enable_tiling(model, seq_len=tokens, **budgets, **named)
+    elif parts & {"mlp", "loss"}:
         offload = "cpu" if "offload" in parts else "auto" if "auto" in parts else None
         budgets = {"gpu_mib": gpu_mib, "host_mib": host_mib} if offload == "auto" else {}
         options = dict(loss="loss" in parts, norms="norms" in parts, projections="proj" in parts,
@@ -267,7 +275,7 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     try:  # untimed first steps (default: one when several are timed)
         kept: Optional[list[Any]] = [] if getattr(args, "loop", "trainer") == "accelerate" else None
         timed = training_steps(model, optimizer, lambda: loss_of(model, variant, batch, kept), warmup, steps, device)
-        del kept
+        kept = None  # the outputs an accelerate loop kept: let go before the next row
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
         plan = predicted(model, variant, tokens, optimizer)
     finally:
@@ -284,13 +292,16 @@ def predicted(model: nn.Module, variant: str, tokens: int,
     """The memory plan's device and host peaks (GiB) and placement for a tiled variant, as configured (its budgets
     under ``offload="auto"``, else none) with ``optimizer`` (the object: where it is, what it is); NaN for the others
     (the plan models tiled MLPs)."""
-    if variant in LIGER or not set(variant.split("+")) & {"mlp", "loss"}:
+    if variant in LIGER or (variant != CHOSEN and not set(variant.split("+")) & {"mlp", "loss"}):
         return {"predicted_gib": math.nan, "predicted_host_gib": math.nan, "placement": "", "optimizer_placement": ""}
-    unbounded = {} if "auto" in variant.split("+") else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}
-    plan = tiledmlp.plan_memory(model, tokens, optimizer=optimizer, **unbounded)
+    planned = variant == CHOSEN or "auto" in variant.split("+")  # within the budgets it was tiled with
+    plan = tiledmlp.plan_memory(model, tokens, optimizer=optimizer,
+                                **({} if planned else {"gpu_mib": 1 << 30, "host_mib": 1 << 30}))
     spec = plan.optimizer.spec
+    chosen = tiled_step_options(model).chosen_because if variant == CHOSEN else ""
     return {"predicted_gib": plan.gpu_peak_bytes / 2**30, "predicted_host_gib": plan.host_peak_bytes / 2**30,
-            "placement": plan.placed(), "optimizer_placement": spec.placement if spec is not None else ""}
+            "placement": plan.placed(), "optimizer_placement": spec.placement if spec is not None else "",
+            "chosen": chosen}
 
 
 def run_or_record(model, variant, tokens, args, device, optimizer_choice: str = NONE) -> dict[str, Any]:

@@ -26,8 +26,8 @@ then
     echo "[matrix] making $VENV from $PINS" >&2
     "${BASE_PYTHON:-python3}" -m venv --clear "$VENV"
     # torch (and the triton pinned with it) first, so that the extras resolve around it
-    "$PY" -m pip install -qq --no-compile $(grep -E '^(torch|triton)==' "$PINS") >&2
-    "$PY" -m pip install -qq --no-compile -e ".[test,deepspeed]" >&2
+    "$PY" -m pip install -qq $(grep -E '^(torch|triton)==' "$PINS") >&2
+    "$PY" -m pip install -qq -e ".[test,deepspeed]" >&2
     cp "$PINS" "$VENV/pins.txt"
 fi
 (cd / && "$PY" -c "import torch, triton, transformers, peft, trl, deepspeed, bitsandbytes

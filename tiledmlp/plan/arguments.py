@@ -19,6 +19,8 @@ __all__ = ["check_memory_options", "check_budget", "check_flag"]
 #: the switches among the memory options: True or False only (a string such as "no" is not taken as True)
 FLAGS = ("norms", "attention", "projections")
 OFFLOADS = (None, "cpu", "auto")
+#: the tiled loss's own options and their defaults: set to anything else beside ``loss=False``, they would do nothing
+LOSS_DEFAULTS = {"loss_mode": "auto", "loss_scratch_mib": None, "loss_grad_accum_dtype": torch.float32}
 
 
 def check_flag(name: str, value: Any) -> None:
@@ -72,7 +74,7 @@ def check_memory_options(model: nn.Module, options: Mapping[str, Any]) -> None:
     for name in ("scratch_mib", "loss_scratch_mib"):
         check_budget_mib(name, options.get(name))
     if loss is False:
-        given = [name for name in ("loss_mode", "loss_scratch_mib", "loss_grad_accum_dtype") if name in options]
+        given = [name for name, default in LOSS_DEFAULTS.items() if options.get(name, default) != default]
         if given:
             raise ValueError(f"{', '.join(given)} set(s) the tiled loss, which loss=False turns off: leave "
                              f"{'them' if len(given) > 1 else 'it'} out, or tile the loss (loss=None or True)")

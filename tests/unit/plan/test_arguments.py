@@ -81,6 +81,13 @@ def test_enable_tiling_refuses_bad_tiling_options(options, error, words):
     assert tiledmlp.tiled_modules(model) == {}
 
 
+def test_the_loss_options_at_their_defaults_go_with_loss_false():
+    """A launcher that passes every option (``launch/train.py``) passes the loss's at their defaults: not refused."""
+    model = tiledmlp.enable_tiling(checkpointed_llama(layers=2), loss=False, loss_mode="auto", loss_scratch_mib=None,
+                                   loss_grad_accum_dtype=torch.float32)
+    assert tiledmlp.tiled_modules(model) and "loss" not in {i.form for i in tiledmlp.describe(model).values()}
+
+
 def test_include_moe_false_and_mlp_types_as_a_tuple_are_still_taken():
     """The checks refuse only what is wrong: the values the options take still tile (and train exactly)."""
     untiled = checkpointed_llama(layers=2)
