@@ -51,7 +51,11 @@ def test_bench_longctx_smoke(tmp_path):
     rows = _csv(tmp_path / "bench_longctx_cpu_smoke.csv")
     assert (tmp_path / "bench_longctx_cpu_smoke.png").stat().st_size > 0
     assert {r["variant"] for r in rows} == {"untiled", "mlp", "loss", "loss+offload", "loss+norms",
-                                             "loss+norms+offload", "loss+norms+offload+attn", "loss+norms+auto+attn"}
+                                             "loss+norms+offload", "loss+norms+offload+attn", "loss+norms+auto+attn",
+                                             "seq_len"}
+    # what enable_tiling(seq_len=T) chose, and why, beside the variants it chose among
+    assert all(r["chosen"].startswith(f"seq_len={r['T']}: the ") and "configuration" in r["chosen"]
+               for r in rows if r["variant"] == "seq_len")
     assert all(float(r["host_rss_gib"]) > 0 for r in rows)
     for tokens in {r["T"] for r in rows}:
         losses = [float(r["loss"]) for r in rows if r["T"] == tokens]
