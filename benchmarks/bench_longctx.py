@@ -22,9 +22,9 @@ Variants (the same model object, re-configured between them):
                   (``tiledmlp.recognize.norms``), which takes most of a layer's recompute peak away.
 * ``loss+norms+offload+attn``  and ``attention=True``: the attention core's backward in groups of KV heads
                   (``tiledmlp.attention``), the largest item left at the peak.
-* ``loss+norms+auto+attn``  the same with ``offload="auto"``: the memory plan places each layer input (device,
-                  host or recomputed) within ``--gpu-mib`` / ``--host-mib`` (default: what the process may use) and
-                  keeps attention outputs for the recompute with what the device has left.
+* ``loss+norms+auto``, ``loss+norms+auto+attn``  ``offload="auto"`` instead: the memory plan places each layer
+                  input (device, host or recomputed) within ``--gpu-mib`` / ``--host-mib`` (default: what the process
+                  may use); with ``attn`` it keeps attention outputs for the recompute with what the device has left.
 * ``liger``       Liger-Kernel's fused linear cross-entropy on the model's hidden states (what its patched
                   forward computes: the decoder, then ``LigerFusedLinearCrossEntropyLoss`` on the shifted
                   hidden states and labels), MLPs untiled.
@@ -92,7 +92,7 @@ from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_vers
                        print_rows, save_figure, subplots, write_csv_rows)
 
 VARIANTS = ("untiled", "mlp", "loss", "loss+offload", "loss+norms", "loss+norms+offload", "loss+norms+offload+attn",
-            "loss+norms+auto+attn", "liger", "mlp+liger", "seq_len")
+            "loss+norms+auto", "loss+norms+auto+attn", "liger", "mlp+liger", "seq_len")
 CHOSEN = "seq_len"  # the variant whose options enable_tiling(seq_len=T) chooses
 LIGER = {"liger", "mlp+liger"}
 COLUMNS = ("variant", "optimizer", "T", "attn", "documents", "peak_gib", "predicted_gib", "host_gib",

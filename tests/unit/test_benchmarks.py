@@ -51,8 +51,8 @@ def test_bench_longctx_smoke(tmp_path):
     rows = _csv(tmp_path / "bench_longctx_cpu_smoke.csv")
     assert (tmp_path / "bench_longctx_cpu_smoke.png").stat().st_size > 0
     assert {r["variant"] for r in rows} == {"untiled", "mlp", "loss", "loss+offload", "loss+norms",
-                                             "loss+norms+offload", "loss+norms+offload+attn", "loss+norms+auto+attn",
-                                             "seq_len"}
+                                             "loss+norms+offload", "loss+norms+offload+attn", "loss+norms+auto",
+                                             "loss+norms+auto+attn", "seq_len"}
     # what enable_tiling(seq_len=T) chose, and why, beside the variants it chose among
     assert all(r["chosen"].startswith(f"seq_len={r['T']}: the ") and "configuration" in r["chosen"]
                for r in rows if r["variant"] == "seq_len")
