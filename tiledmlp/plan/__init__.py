@@ -2,12 +2,13 @@
 options of ``enable_tiling``, built from the model's shapes and parameters without running it. ``shapes`` (what the
 model is to the planner), ``memory`` (the terms, where the peak is), ``placement`` (each checkpointed layer's input:
 kept, host or recomputed, and which layers keep their attention output for the recompute), ``optimizer`` (its states
-and where they live), ``timing`` (a step's time, estimated), ``arguments`` (the memory options' checks), ``plans`` (:func:`plan_memory`, the budgets,
-``offload="auto"``'s placement at run time), ``choose`` (the fastest options for a length).
+and where they live), ``timing`` (a step's time, estimated), ``arguments`` (the memory options' checks), ``plans``
+(:func:`plan_memory`, the budgets, ``offload="auto"``'s placement at run time), ``choose`` (the fastest options for a
+length).
 
 It decides; ``tiledmlp.offload`` executes the placement (and ``tiledmlp.attention`` keeps the outputs). Imports
-``tiledmlp.offload``, ``tiledmlp.attention`` (the attention core's sizes), ``tiledmlp.distributed`` and
-``tiledmlp.core``.
+``tiledmlp.optimizers`` (an optimizer's bytes), ``tiledmlp.offload``, ``tiledmlp.attention`` (the attention core's
+sizes), ``tiledmlp.distributed`` and ``tiledmlp.core``.
 """
 
 from .memory import StepOptions
