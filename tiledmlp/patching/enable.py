@@ -190,8 +190,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
 
     norms, projections = options.get("norms", False), options.get("projections", False)
     attention = options.get("attention", False)
-    plan_options = PlanOptions(strategy, policy, extra_types, include_moe, form, accum,
-                               norms, projections)
+    plan_options = PlanOptions(strategy, policy, extra_types, include_moe, form, accum, norms, projections)
     states = plan(model, plan_options, loss_options, loss_required=loss is True)
     layers = attention_scopes(model, states) if attention else []
     if attention and not layers:

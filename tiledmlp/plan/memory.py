@@ -84,7 +84,8 @@ from ..core.sharding import DEFAULT_SCRATCH_MIB, ShardPolicy, mlp_scratch_per_to
 from .optimizer import NO_OPTIMIZER, OptimizerMemory
 from .shapes import ModelShape
 
-__all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak", "working_bytes_per_token", "recompute_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes",
+__all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak", "working_bytes_per_token",
+           "recompute_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes",
            "attention_kept_bytes", "Placed"]
 
 GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"

@@ -139,9 +139,10 @@ def tiled_step_options(model: nn.Module) -> Optional[StepOptions]:
 
 def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: Optional[str] = None,
                  **options: Any) -> StepOptions:
-    """The memory-relevant options: those given, else those ``model`` was tiled with, else ``enable_tiling``'s
-    defaults; ``optimizer``'s bytes on this rank (``tiledmlp.plan.optimizer``: an optimizer object, or a name placed
-    at ``optimizer_placement``, default ``"gpu"``), or the engine's offload the model is wrapped with."""
+    """The memory-relevant options: those given (checked by the callers, ``tiledmlp.plan.arguments``), else those
+    ``model`` was tiled with, else ``enable_tiling``'s defaults; ``optimizer``'s bytes on this rank
+    (``tiledmlp.plan.optimizer``: an optimizer object, or a name placed at ``optimizer_placement``, default
+    ``"gpu"``), or the engine's offload the model is wrapped with."""
     tiled = tiled_step_options(model) or StepOptions()
     loss = options.get("loss", tiled.loss)
     scratch_mib = options.get("loss_scratch_mib")
@@ -151,8 +152,6 @@ def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: O
                    scratch_mib=options.get("scratch_mib", tiled.scratch_mib),
                    projections=bool(options.get("projections", tiled.projections)),
                    **({"loss_scratch_bytes": int(scratch_mib * 2**20)} if scratch_mib else {}))
-    if step.offload not in (None, "cpu", "auto"):
-        raise ValueError(f"offload={step.offload!r}: plan_memory plans offload=None, 'cpu' or 'auto'")
     engine = engine_placement(model)
     if optimizer is None and engine is None:
         return step
@@ -299,12 +298,12 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     check_memory_options(model, dict(options, optimizer=optimizer, optimizer_placement=optimizer_placement,
                                      gpu_mib=gpu_mib, host_mib=host_mib))
     return plan_for_shape(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
-                    {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
+                          {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
 
 
 def plan_for_shape(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int, sequence_parallel: int,
-             gpu_mib: Optional[float], host_mib: Optional[float], optimizer: dict[str, Any],
-             options: dict[str, Any]) -> MemoryPlan:
+                   gpu_mib: Optional[float], host_mib: Optional[float], optimizer: dict[str, Any],
+                   options: dict[str, Any]) -> MemoryPlan:
     """:func:`plan_memory` of ``model`` as ``shape`` says it is (checkpointed or not), its arguments checked."""
     optimizer_placement = optimizer.get("optimizer_placement")
     optimizer = optimizer.get("optimizer")
