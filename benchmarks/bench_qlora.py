@@ -20,6 +20,14 @@ Two measurements, in one run:
   runs a step at that length (``kind`` ``confirm``; ``peak_gib`` is the run's peak plus the missing layers' bytes,
   ``projected`` the length).
 
+``--optimizer`` (``benchmarks/optimizer_step.py``; default ``adamw``, torch's fused AdamW as the Trainer builds it, on
+the adapters, the only trainable parameters): a step is then forward, backward, ``optimizer.step()`` and
+``zero_grad()``. Each step row runs two steps on the same batch, the first untimed (it creates the optimizer's
+states), the second timed; ``peak_gib`` is over both, states included. ``none``: forward + backward only, one step, as
+the figures before 0.5 were. The confirm row adds the missing layers' adapter states with their gradients.
+``--gpu-mib``: the card's memory as a budget (``torch.cuda.set_per_process_memory_fraction``), so that an 80 GB card's
+longest length is found on a larger one.
+
 peft keeps adapters in float32; without autocast each adapter casts its layer's input to float32 (on the
 attention projections: four float32 copies of the hidden states per layer, alive in its backward). ``--autocast``
 runs under ``torch.autocast(bf16)`` as the Trainer's ``bf16=True`` does, where peft casts nothing.
@@ -27,6 +35,8 @@ runs under ``torch.autocast(bf16)`` as the Trainer's ``bf16=True`` does, where p
 The model is built in code (random weights, quantized on the device); nothing is downloaded.
 
     python3 benchmarks/bench_qlora.py --mlp-seq-lens 32768,131072 --seq-lens 65536,131072 --layers 2 --confirm
+    python3 benchmarks/bench_qlora.py --mlp-seq-lens '' --variants tiled,tiled+proj --autocast --layers 2 \
+        --confirm --gpu-mib 81559                 # an 80 GB H100's longest QLoRA training step, on a larger card
     python3 benchmarks/bench_qlora.py --smoke          # tiny sizes on a CPU: checks the script
 """
 
@@ -58,11 +68,12 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
 from bench_mlp import bench_device, median_ms, parse_variants, run_or_status  # noqa: E402
+from optimizer_step import NONE, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
 from reporting import fmt, gpu_name, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-COLUMNS = ("kind", "variant", "T", "layers", "autocast", "forms", "peak_gib", "time_s", "ratio_vs_untiled", "loss",
-           "projected", "gpu_name", "torch", "transformers", "bitsandbytes", "peft", "tiledmlp", "date")
+COLUMNS = ("kind", "variant", "optimizer", "T", "layers", "autocast", "forms", "peak_gib", "time_s", "optimizer_s",
+           "ratio_vs_untiled", "loss", "losses", "projected", "gpu_mib", "gpu_name", "torch", "transformers", "bitsandbytes", "peft", "tiledmlp", "date")
 MLP_SHAPE = dict(hidden=4096, intermediate=14336)
 SMOKE_MLP = dict(hidden=64, intermediate=128)
 
@@ -174,19 +185,22 @@ def qlora_model(args, device: torch.device, dtype: torch.dtype, tokens: int) -> 
 
 
 def time_step(model: nn.Module, ids: torch.Tensor, args, device: torch.device) -> dict[str, Any]:
-    """One training step (forward + backward): its time, the peak, the loss."""
+    """A training step (forward, backward, and ``--optimizer``'s step; with one, after an untimed first step that
+    makes its states): its time, the peak over both, the losses."""
     free(model, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sync(device)
-    begin = time.perf_counter()
-    with precision(args, device):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    sync(device)
-    seconds = time.perf_counter() - begin
+    optimizer = optimizer_for(model, args.optimizer)
+
+    def loss() -> torch.Tensor:
+        with precision(args, device):
+            return model(input_ids=ids, labels=ids).loss
+
+    result = training_steps(model, optimizer, loss, warmup=0 if optimizer is None else 1, steps=1, device=device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    return {"time_s": seconds, "peak_gib": peak, "loss": loss.item()}
+    del optimizer
+    return {"time_s": result["step_s"], "optimizer_s": result["optimizer_s"], "peak_gib": peak,
+            "loss": result["loss"], "losses": result["losses"]}
 
 
 def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, variant: str,
@@ -198,8 +212,9 @@ def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, varian
     if variant.startswith("tiled"):
         tiledmlp.enable_tiling(model, norms=True, offload="cpu", projections=variant == "tiled+proj")
     forms = sorted({i.form for i in tiledmlp.describe(model).values()})
-    row = {"kind": kind, "variant": variant, "T": tokens, "layers": len(model.base_model.model.model.layers),
-           "autocast": args.autocast, "forms": "+".join(forms),
+    row = {"kind": kind, "variant": variant, "optimizer": args.optimizer, "T": tokens,
+           "layers": len(model.base_model.model.model.layers), "autocast": args.autocast, "forms": "+".join(forms),
+           "gpu_mib": args.gpu_mib,
            **run_or_status(functools.partial(time_step, model, ids, args, device),
                            functools.partial(free, model, device), ("time_s", "peak_gib", "loss"))}
     print(f"  {kind} T={tokens:>7} {variant:<8} peak_gib={fmt(row['peak_gib'])} time_s={fmt(row['time_s'])}",
@@ -211,15 +226,24 @@ def step_row(args, device: torch.device, dtype: torch.dtype, tokens: int, varian
 
 def missing_layers_gib(args, device: torch.device, dtype: torch.dtype) -> float:
     """The bytes (GiB) of the decoder layers a ``--layers`` run leaves out: one layer's 4-bit weights, quantization
-    state, norms and adapters (and the adapters' gradients), read from a one-layer model quantized on the device,
-    times the missing count."""
+    state, norms and adapters (and the adapters' gradients and ``--optimizer``'s states of them), read from a one-layer
+    model quantized on the device, times the missing count."""
     full = (SMOKE if args.smoke else MODELS[args.model])["layers"]
     if device.type != "cuda":
         return math.nan
     model = qlora_model(argparse.Namespace(**{**vars(args), "layers": 1}), device, dtype, 1)
     (layer,) = model.base_model.model.model.layers
+    trained = [p for p in layer.parameters() if p.requires_grad]
     per_layer = sum(t.numel() * t.element_size() for t in layer.state_dict().values()) + sum(
-        p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)  # their gradients
+        p.numel() * p.element_size() for p in trained)  # their gradients
+    if args.optimizer != NONE:
+        optimizer = optimizer_for(layer, args.optimizer)
+        for p in trained:  # a step on zero gradients makes the states, which are what is counted
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        per_layer += sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                         if torch.is_tensor(t) and t.device.type == "cuda")
+        del optimizer
     del model, layer
     free(nn.Module(), device)
     return per_layer * (full - (args.layers or full)) / 2**30
@@ -237,7 +261,8 @@ def confirm_row(args, device: torch.device, dtype: torch.dtype, rows: list[dict[
     (t0, p0), (t1, p1) = points[-2:]
     slope = (p1 - p0) / (t1 - t0)
     missing = missing_layers_gib(args, device, dtype)
-    capacity = torch.cuda.mem_get_info(device)[1] / 2**30 * 0.95  # the allocator's and CUDA's own
+    card = args.gpu_mib / 1024 if args.gpu_mib else torch.cuda.mem_get_info(device)[1] / 2**30
+    capacity = card * 0.95  # the allocator's and CUDA's own
     projected = int((capacity - missing - (p1 - slope * t1)) / slope) // 4096 * 4096
     print(f"  slope {slope * 2**20:.1f} KiB/token, missing layers {missing:.2f} GiB, projected {projected} tokens",
           flush=True)
@@ -261,6 +286,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--variants", default="untiled,tiled,tiled+proj")
     parser.add_argument("--model", choices=sorted(MODELS), default="8b")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    parser.add_argument("--optimizer", default="adamw",
+                        help="a name of optimizer_step (default adamw, torch's fused AdamW); none: forward + backward")
+    parser.add_argument("--gpu-mib", type=float, default=None,
+                        help="the card's memory in MiB, a budget on a larger one (default: the whole device)")
     parser.add_argument("--reps", type=int, default=5, help="timed MLP runs (median)")
     parser.add_argument("--autocast", action="store_true", help="run under bf16 autocast (the Trainer's bf16=True)")
     parser.add_argument("--confirm", action="store_true",
@@ -275,16 +304,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         text = default if text is None else text
         setattr(args, name, [int(t) for t in text.split(",") if t])
     args.variants = parse_variants(args.variants, ("untiled", "tiled", "tiled+proj"))
+    try:
+        choices = parse_optimizers(args.optimizer)
+    except ValueError as error:
+        parser.error(str(error))
+    if len(choices) != 1 or (choices != [NONE] and split(choices[0])[1] != "gpu"):
+        parser.error(f"--optimizer {args.optimizer!r}: one choice, on the device (the adapters' states are small)")
+    args.optimizer = choices[0]
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     device, dtype = bench_device(args.smoke)
-    print(f"{gpu_name(device)}: QLoRA (nf4, double-quantized, LoRA r=16), {dtype}", flush=True)
+    if args.gpu_mib and device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.set_per_process_memory_fraction(args.gpu_mib * 2**20 / torch.cuda.mem_get_info(index)[1], index)
+    print(f"{gpu_name(device)}: QLoRA (nf4, double-quantized, LoRA r=16), {dtype}, optimizer {args.optimizer}"
+          + (f", {args.gpu_mib:.0f} MiB of the device" if args.gpu_mib else ""), flush=True)
     rows = mlp_rows(args, device, dtype) + step_rows(args, device, dtype)
     return save_results("bench_qlora", rows, device, args, COLUMNS,
-                        ("kind", "variant", "T", "layers", "peak_gib", "time_s", "ratio_vs_untiled"),
+                        ("kind", "variant", "optimizer", "T", "layers", "peak_gib", "time_s", "ratio_vs_untiled"),
                         ("transformers", "bitsandbytes", "peft", "tiledmlp"))
 
 

@@ -234,9 +234,8 @@ def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: 
         enable_checkpointing(model)
         why = f"checkpointing turned on ({checkpointing_call(model)}), which the length needs; {why}"
     options.update({k: v for k, v in chosen.items() if k != "loss"})
-    options["chosen_because"] = f"seq_len={seq_len}: {why}"
-    log.info("enable_tiling(seq_len=%d): %s (%s); %s%s", seq_len,
-             ", ".join(f"{k}={v!r}" for k, v in chosen.items()), why,
+    options["chosen_because"] = f"seq_len={seq_len}: {', '.join(f'{k}={v!r}' for k, v in chosen.items())} ({why})"
+    log.info("enable_tiling: %s; %s%s", options["chosen_because"],
              plan.table().splitlines()[0].split(": ", 1)[1],
              f"; optimizer {plan.optimizer.label()}: {plan.optimizer_choice}" if plan.optimizer_choice else "")
     return loss if "loss" in given else (None if chosen["loss"] else False)

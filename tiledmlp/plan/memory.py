@@ -95,6 +95,11 @@ Placed = tuple[tuple[str, ...], tuple[bool, ...]]  # each layer's input place, w
 #: measured 4.23 GiB at 128K tokens of the Llama-3.2-1B shape (hidden 2048, bf16, H200: 14.95 -> 10.72 GiB with
 #: ``norms=True``), about 8.5 hidden vectors
 UNTILED_NORMS_HIDDEN_VECTORS = 8.5
+#: in the recompute of a layer keeping its attention output, where the peak meets both norms' saved float32 copies:
+#: about 4 more (Llama-3.1-8B shape, 32 layers, ``offload="auto", attention=True``, one H200: 99.39 GiB at 131,072
+#: tokens where 8.5 planned 95.50, 57.86 at 65,536 against 56.09;
+#: ``benchmarks/results/bench_longctx_nvidia-h200_8b_32l_choice_*.csv``)
+UNTILED_NORMS_RECOMPUTE_HIDDEN_VECTORS = 12.5
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,7 @@ def recompute_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
     the kept output and log-sum-exp, q/k/v, six hidden vectors and RoPE's cos and sin."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     modelled = q * a + shape.heads * 4 + (q + 2 * kv) * a + 6 * h * a + 2 * shape.head_dim * a
-    return modelled + (0 if options.norms else UNTILED_NORMS_HIDDEN_VECTORS * h * a)
+    return modelled + (0 if options.norms else UNTILED_NORMS_RECOMPUTE_HIDDEN_VECTORS * h * a)
 
 
 def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> int:

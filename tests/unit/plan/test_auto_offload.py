@@ -5,6 +5,7 @@ refused at the step's first layer with the longest that fits."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -110,7 +111,8 @@ def test_seq_len_takes_options_that_fit_and_says_why(removed, caplog):
         tiledmlp.enable_tiling(model, seq_len=4096, **budgets)
     plan = tiledmlp.plan_memory(model, 4096, **budgets)
     assert plan.fits and ("the runner-up" in caplog.text or "the only one of 4 configurations that fits" in caplog.text)
-    assert "tiled for seq_len=4096: the " in plan.table()  # describe(model, seq_len=T) shows it too
+    said = re.search(r"tiled for seq_len=4096: (.*?) \(the ", plan.table())  # describe(model, seq_len=T) shows it too
+    assert said and f"norms={plan.options.norms!r}" in said[1] and f"attention={plan.options.attention!r}" in said[1]
     if plan.options.offload == "auto":
         assert checkpointing.layer_placement(model) is not None
 
