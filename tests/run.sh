@@ -35,7 +35,9 @@ fi
 # processes of its own (run beside other tests they would contend for the cores).
 if [[ "${paths[*]}" == tests ]]; then
     status=0
-    "${PYTHON:-python3}" -m pytest tests/unit -q -p no:cacheprovider -n "${TILEDMLP_TEST_WORKERS:-2}" "$@" || status=$?
+    # worksteal: a worker left idle takes tests queued for the other (a few tests take over a minute)
+    "${PYTHON:-python3}" -m pytest tests/unit -q -p no:cacheprovider -n "${TILEDMLP_TEST_WORKERS:-2}" --dist worksteal \
+        "$@" || status=$?
     "${PYTHON:-python3}" -m pytest tests/distributed -q -p no:cacheprovider "$@" || status=$?
     exit "$status"
 fi
