@@ -5,7 +5,9 @@ are, and read back from a tiled model through one accessor."""
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
+import pickle
 import re
 from pathlib import Path
 
@@ -140,3 +142,18 @@ def test_plan_memory_takes_the_object_as_the_keywords_it_was_given():
     assert by_object == by_keywords
     with pytest.raises(TypeError, match="not both"):
         plan_memory(model, 4096, options=TilingOptions(), norms=True)
+
+
+def test_a_copy_of_a_model_tiled_with_an_optimizer_object_does_not_carry_the_optimizer():
+    """``enable_tiling(model, optimizer=AdamW(...))`` counts the optimizer; the model keeps its bytes, not the object:
+    a deep copy of the model would have copied the optimizer and its states with it (and a pickle written them)."""
+    model = checkpointed_llama(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tiledmlp.enable_tiling(model, optimizer=optimizer)
+    ids = torch.randint(0, 100, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    copied = copy.deepcopy(model)
+    for tiled in (model, copied):
+        assert tiling_options_of(tiled).optimizer is None and len(pickle.dumps(tiling_options_of(tiled))) < 10_000
+    assert plan_memory(model, 4096).optimizer.spec is not None  # still counted, from the bytes kept

@@ -4,7 +4,7 @@ options a tiled model was tiled with (:func:`tiling_options_of`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
@@ -192,7 +192,11 @@ class _Tiled(NamedTuple):
 
 
 def remember_options(model: nn.Module, options: TilingOptions, step: StepOptions) -> None:
-    """Keep on ``model`` the options it was tiled with and the memory terms they make (``enable_tiling``)."""
+    """Keep on ``model`` the options it was tiled with and the memory terms they make (``enable_tiling``). An
+    optimizer object is not kept (its memory is in ``step``): the model would hold it, and each copy or pickle of the
+    model would carry the optimizer and its states."""
+    if options.optimizer is not None and not isinstance(options.optimizer, str):
+        options = replace(options, optimizer=None, optimizer_placement=None)
     model.__dict__[_ATTR] = _Tiled(options, step)
 
 
@@ -201,7 +205,8 @@ def forget_options(model: nn.Module) -> None:
 
 
 def tiling_options_of(model: nn.Module) -> Optional[TilingOptions]:
-    """The options ``enable_tiling`` last tiled ``model`` with, those ``seq_len`` chose filled in (None: not tiled)."""
+    """The options ``enable_tiling`` last tiled ``model`` with, those ``seq_len`` chose filled in (None: not tiled); an
+    optimizer given as an object is not among them (:func:`remember_options`)."""
     tiled = model.__dict__.get(_ATTR)
     return tiled.options if tiled is not None else None
 
