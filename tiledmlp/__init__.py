@@ -5,6 +5,9 @@ Public API:
 * :func:`enable_tiling` / :func:`disable_tiling` — patch (and restore) every recognized MLP block of a
   model, bare or wrapped, per instance (with ``norms=True`` its normalization layers too, with
   ``projections=True`` its LoRA-adapted projections).
+* :class:`TilingOptions` — every option of ``enable_tiling`` as one checked, frozen object
+  (``enable_tiling(model, options=...)``, ``plan_memory(model, seq_len, options=...)``);
+  :func:`tiling_options_of` — the options a model was tiled with.
 * :func:`tiled_modules` — which modules are tiled, and with which strategy.
 * :func:`describe` — per tiled module: its form (and why generic), strategy, shards and scratch.
 * :func:`apply_tiled_mlp` — the functional form, call-compatible with Liger-Kernel's and DeepSpeed's.
@@ -63,10 +66,12 @@ from .patching.functional import apply_tiled_mlp
 from .patching.optimizer import make_optimizer
 from .optimizers import step_in_backward
 from .recognize.modules import register_mlp
-from .plan import MemoryPlan, plan_memory
+from .plan import MemoryPlan, TilingOptions, plan_memory, tiling_options_of
 
 __all__ = [
     "enable_tiling",
+    "TilingOptions",
+    "tiling_options_of",
     "disable_tiling",
     "tiled_modules",
     "describe",

@@ -13,19 +13,18 @@ from typing import Any
 
 import torch
 
+from ..plan.arguments import OFFLOADS
+from ..plan.options import OPTION_NAMES, SWITCHES
+
 __all__ = ["SECTION", "OPTIONS", "tiling_options", "check_config"]
 
 #: the key of the section in an Axolotl config
 SECTION = "tiledmlp"
 
-#: the keys the section takes: ``enable_tiling``'s keyword arguments, one for one
-OPTIONS = ("strategy", "num_shards", "loss", "tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype",
-           "mlp_types", "include_moe", "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms",
-           "projections", "attention", "gpu_mib", "host_mib", "seq_len", "optimizer", "optimizer_placement")
+#: the keys the section takes: ``enable_tiling``'s options (``tiledmlp.TilingOptions``' fields), one for one
+OPTIONS = OPTION_NAMES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_BOOLS = ("norms", "projections", "attention", "include_moe")
-_OFFLOADS = (None, "cpu", "auto")
 
 
 def _section(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,10 +93,10 @@ def tiling_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         options["mlp_types"] = tuple(_module_type(p) for p in ([paths] if isinstance(paths, str) else paths))
     if "seq_len" in options:
         options["seq_len"] = _seq_len(options["seq_len"], cfg)
-    for key in _BOOLS + ("loss",):
+    for key in SWITCHES:
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"{SECTION}: {key} is true or false, got {options[key]!r}")
-    if options.get("offload") not in _OFFLOADS:
+    if options.get("offload") not in OFFLOADS:
         raise ValueError(f"{SECTION}: offload is cpu, auto or null, got {options['offload']!r}")
     return options
 

@@ -12,6 +12,7 @@ from ..optimizers.spec import BACKWARD
 from ..patching.describe import describe
 from ..patching.enable import enable_tiling, tiled_modules
 from ..plan.optimizer import placements_for
+from ..plan.options import LENGTH_OPTIONS, TilingOptions
 from ..plan.plans import plan_memory
 
 __all__ = ["TilingCallback"]
@@ -63,22 +64,25 @@ class TilingCallback(TrainerCallback):
             if blocked is not None:  # the trainer's own placement only
                 device = next(model.parameters()).device
                 options["optimizer_placement"] = placements_for(optimizer, device)[0]
+        tiling = TilingOptions.from_kwargs(options)
         try:
-            enable_tiling(model, **options)
+            enable_tiling(model, options=tiling)
         except ValueError as error:
-            if blocked is None or not self._fits_in_backward(model, options):
+            if blocked is None or not self._fits_in_backward(model, tiling):
                 raise
             raise ValueError(f"{error}. Stepping the trainer's optimizer in backward would make it fit, but this "
                              f"trainer {blocked}") from error
         log.info("TilingCallback: %s", describe(model).summary())
 
     @staticmethod
-    def _fits_in_backward(model: Any, options: dict[str, Any]) -> bool:
-        planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "projections") if k in options}
-        budgets = {k: options.get(k) for k in ("gpu_mib", "host_mib")}
+    def _fits_in_backward(model: Any, options: TilingOptions) -> bool:
+        """Whether ``options``' length would fit with the optimizer stepped in backward, and the memory options not
+        given on."""
+        given = {k: v for k, v in options.given().items() if k in LENGTH_OPTIONS}
         try:
-            return plan_memory(model, options["seq_len"], optimizer=options["optimizer"],
-                               optimizer_placement=BACKWARD, **budgets, **{"offload": "auto", "norms": True,
-                                                                           "attention": True, **planned}).fits
+            what_if = TilingOptions(**{"offload": "auto", "norms": True, "attention": True, **given,
+                                       "optimizer_placement": BACKWARD}, gpu_mib=options.gpu_mib,
+                                    host_mib=options.host_mib)
+            return plan_memory(model, options.seq_len, options=what_if).fits
         except ValueError:
             return False

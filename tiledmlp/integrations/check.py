@@ -27,6 +27,7 @@ from ..core.compat import enable_checkpointing
 from ..offload.host_memory import available_host_bytes
 from ..patching.describe import describe
 from ..patching.enable import enable_tiling
+from ..plan.options import PLAN_INPUTS, PLANNED_OPTIONS, TilingOptions
 from ..plan.plans import plan_memory
 
 __all__ = ["PACKAGES", "PATCHERS", "TILED_ELSEWHERE", "ConfigUnreadable", "conflicts", "environment", "model_report",
@@ -170,7 +171,9 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
     layers = config.get_text_config().num_hidden_layers
     twin = _twin(config)
     found = conflicts(twin)
-    tiled = enable_tiling(twin, **{k: v for k, v in options.items() if k not in ("gpu_mib", "host_mib", "seq_len")})
+    # checked as enable_tiling checks them; the length and the budgets are the whole model's plan's
+    tiled = enable_tiling(twin, options=TilingOptions.from_kwargs({k: v for k, v in options.items()
+                                                                   if k not in PLAN_INPUTS}))
     given = ", ".join(f"{k}={v!r}" for k, v in options.items())
     modules = describe(tiled, seq_len)
     modules.memory = None  # the one-layer twin's plan: not the model's (planned whole below)
@@ -181,9 +184,8 @@ def model_report(source: str, seq_len: Optional[int] = None, **options: Any) -> 
     if seq_len:
         with torch.device("meta"):
             full = _checkpointed(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
-        planned = {k: options[k] for k in ("loss", "norms", "attention", "offload", "scratch_mib", "projections")
-                   if k in options}
-        plan = plan_memory(full, seq_len, gpu_mib=options.get("gpu_mib"), host_mib=options.get("host_mib"), **planned)
+        planned = TilingOptions(**{k: v for k, v in options.items() if k in PLANNED_OPTIONS or k in PLAN_INPUTS})
+        plan = plan_memory(full, seq_len, options=planned)
         lines += [f"The whole model's memory plan on this machine ({layers} layers, bf16 weights and gradients, "
                   "checkpointed layers, no optimizer states):", str(plan)]
     return "\n".join(lines)

@@ -7,46 +7,38 @@ log what was tiled (``describe``); and its undo.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..attention.layers import attention_scopes, install_attention, uninstall_attention
-from ..core.accumulate import check_accum_dtype
 from ..core.compat import checkpointing_call, enable_checkpointing
-from ..core.sharding import LOSS_MODES, ShardPolicy
 from ..forms.kind import Kind
 from ..distributed.context_parallel import check_grouped_kv_under_cp
-from ..distributed.selection import STRATEGY_NAMES
 from ..distributed.sequence_parallel import ulysses_module
 from ..loss.heads import LossOptions
 from ..offload.checkpointing import checkpointed_layers, install_offload, uninstall_offload
 from ..optimizers.spec import BACKWARD
-from ..plan.memory import StepOptions
 from ..optimizers.in_backward import is_stepped_in_backward, step_in_backward
-from ..plan.arguments import check_flag, check_memory_options
-from ..plan.optimizer import optimizer_memory
 from ..plan.choose import options_for_length
-from ..plan.plans import OPTIONS_ATTR, AutoPlacement
+from ..plan.options import LENGTH_OPTIONS, TilingOptions, forget_options, remember_options
+from ..plan.plans import AutoPlacement
+from .bundles import bundles
 from .describe import log_summary
 from .follow import install_follower, uninstall_follower
 from .patch import check_model, install, tiled_names, uninstall
 from .planning import plan
-from .state import PlanOptions, TilingState
+from .state import TilingState
 
 __all__ = ["enable_tiling", "disable_tiling", "tiled_modules"]
 
 log = logging.getLogger("tiledmlp")
 
-_FORMS = ("auto", "generic")
-_OPTIONS = ("tile_tokens", "inter_chunks", "scratch_mib", "form", "grad_accum_dtype", "mlp_types", "include_moe",
-            "loss_scratch_mib", "loss_mode", "loss_grad_accum_dtype", "offload", "norms", "projections",
-            "attention", "gpu_mib", "host_mib", "seq_len", "optimizer", "optimizer_placement")
-
 
 def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional[int] = None,
-                  loss: Optional[bool] = None, **options: Any) -> nn.Module:
+                  loss: Optional[bool] = None, *, options: Optional[TilingOptions] = None, **kwargs: Any) -> nn.Module:
     """Tile every recognized MLP block of ``model`` in place (per instance; the root included), and the LM
     head + cross-entropy of every Hugging Face causal LM in it (unless ``loss=False``).
 
@@ -141,6 +133,8 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
             backward. The same values and gradients, no more FLOPs: a Llama-3.1-8B step 96.7 -> 60.6 KiB per token,
             no slower (``docs/long-context.md``). Calls it cannot take run as before, with the reason logged once
             and in :func:`describe`. Default False.
+        options: all of the above as one :class:`TilingOptions` instead of keywords (not both: a TypeError);
+            the keywords make one, checked once (``tiledmlp.plan.options``).
 
     Logs one INFO line (what was tiled, strategies, scratch at 128K tokens) and a WARNING for every
     module that looks like an MLP but takes the generic form, with the reason; :func:`describe`
@@ -159,60 +153,24 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     ``tokens x vocab`` tensor). Communication: none added — each parameter's gradient reaches the
     wrapper once per backward, as untiled.
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"enable_tiling got unknown options {unknown}; valid options: {list(_OPTIONS)}")
     check_model(model, "enable_tiling")
+    options = _options(options, kwargs, strategy, num_shards, loss)
     check_grouped_kv_under_cp(model)
-    check_memory_options(model, dict(options, loss=loss))
-    seq_len = options.pop("seq_len", None)
-    if seq_len is not None:
-        loss = _options_for(model, seq_len, loss, options)
-    if strategy not in STRATEGY_NAMES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}")
-    form = options.get("form", "auto")
-    if form not in _FORMS:
-        raise ValueError(f"unknown form {form!r}; choose one of {list(_FORMS)}")
-    accum = check_accum_dtype(options.get("grad_accum_dtype"), "grad_accum_dtype")
-    extra_types = _mlp_types(options.get("mlp_types", ()))
-    include_moe = options.get("include_moe", True)
-    check_flag("include_moe", include_moe)
-    policy = ShardPolicy(num_shards=num_shards, tile_tokens=options.get("tile_tokens"),
-                         inter_chunks=options.get("inter_chunks"), scratch_mib=options.get("scratch_mib"))
-    loss_options = None if loss is False else _loss_options(options)
-    offload = options.get("offload")
-    offload_layers = checkpointed_layers(model, offload)
-    budgets = {key: options.get(key) for key in ("gpu_mib", "host_mib")}
-    for key, value in budgets.items():
-        if value is not None and offload != "auto" and seq_len is None:
-            raise ValueError(f"{key} is a budget of offload='auto' (where each checkpointed layer's input waits); "
-                             f"pass offload='auto' with it, or leave it out")
-
-    norms, projections = options.get("norms", False), options.get("projections", False)
-    attention = options.get("attention", False)
-    plan_options = PlanOptions(strategy, policy, extra_types, include_moe, form, accum, norms, projections)
-    states = plan(model, plan_options, loss_options, loss_required=loss is True)
-    layers = attention_scopes(model, states) if attention else []
-    if attention and not layers:
-        raise ValueError(f"attention=True runs the attention block of each layer of the model's layer stack (the "
-                         f"items of its outermost nn.ModuleList) with the attention core's backward in KV-head "
-                         f"groups, but {type(model).__name__} has no nn.ModuleList of layers; leave attention=False")
-    _say_what_does_nothing(model, states, projections, accum, loss_options)
+    options, chosen_because = _options_for(model, options) if options.seq_len is not None else (options, "")
+    made = bundles(model, options, chosen_because)
+    offload_layers = checkpointed_layers(model, options.offload)
+    states = plan(model, made.plan, made.loss, loss_required=options.loss is True)
+    layers = _attention_layers(model, states, options.attention)
+    _say_what_does_nothing(model, states, options.projections, options.grad_accum_dtype, made.loss)
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
-    install_follower(model, plan_options)
-    optimizer = optimizer_memory(model, options.get("optimizer"), options.get("optimizer_placement"))
-    _place_optimizer_object(options.get("optimizer"), options.get("optimizer_placement"))
-    step = StepOptions(loss=loss_options is not None, norms=norms, attention=attention, offload=offload,
-                       scratch_mib=policy.scratch_mib, projections=projections, optimizer=optimizer,
-                       chosen_because=options.pop("chosen_because", ""),
-                       **({"loss_scratch_bytes": int(loss_options.scratch_mib * 2**20)}
-                          if loss_options is not None and loss_options.scratch_mib else {}), **budgets)
-    model.__dict__[OPTIONS_ATTR] = step
-    install_offload(model, offload_layers, AutoPlacement(model, step) if offload == "auto" else None)
+    install_follower(model, made.plan)
+    _place_optimizer_object(options.optimizer, options.optimizer_placement)
+    remember_options(model, options, made.step)
+    install_offload(model, offload_layers, AutoPlacement(model, made.step) if options.offload == "auto" else None)
     # A block's first training call finds DeepSpeed's Ulysses, if it runs the block's attention by then (a Trainer
     # registers it after the model is tiled): its calls there exchange per KV-head slot (tiledmlp.attention.ulysses).
-    install_attention(model, layers, policy.scratch_mib, find_ulysses=ulysses_module)
+    install_attention(model, layers, made.policy.scratch_mib, find_ulysses=ulysses_module)
     # A tiled norm remembers which output it returned from which input only where q/k/v may take it
     # (tiledmlp.attention): elsewhere nothing would read it.
     for state in states.values():
@@ -222,23 +180,49 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     return model
 
 
-def _options_for(model: nn.Module, seq_len: int, loss: Optional[bool], options: dict[str, Any]) -> Optional[bool]:
-    """``seq_len=T``: fill in the memory options not given from the plan for that length (``tiledmlp.plan``), said
-    once; returns ``loss``. ValueError, naming the longest length that fits, when nothing does."""
-    given = {k: options[k] for k in ("norms", "attention", "offload", "projections", "optimizer",
-                                     "optimizer_placement") if k in options}
-    if loss is not None:
-        given["loss"] = loss
-    chosen, plan, why = options_for_length(model, seq_len, given, options.get("gpu_mib"), options.get("host_mib"))
+def _options(options: Optional[TilingOptions], kwargs: dict[str, Any], strategy: str, num_shards: Optional[int],
+             loss: Optional[bool]) -> TilingOptions:
+    """The options given as one object or as keywords (a ``TypeError`` for both); the rule that belongs to the call:
+    ``gpu_mib`` and ``host_mib`` are budgets of ``offload="auto"`` or ``seq_len``'s plan."""
+    if options is None:
+        options = TilingOptions.from_kwargs(dict(kwargs, strategy=strategy, num_shards=num_shards, loss=loss))
+    elif not isinstance(options, TilingOptions):
+        raise TypeError(f"enable_tiling's options= takes a tiledmlp.TilingOptions, got {type(options).__name__}; "
+                        "pass keyword options as enable_tiling(model, norms=True, ...)")
+    elif kwargs or strategy != "auto" or num_shards is not None or loss is not None:
+        raise TypeError("enable_tiling takes its options as options=TilingOptions(...) or as keywords (strategy, "
+                        "num_shards, loss, norms, ...), not both: put them all in the TilingOptions "
+                        "(dataclasses.replace(options, ...) changes some of one)")
+    for key in ("gpu_mib", "host_mib"):
+        if getattr(options, key) is not None and options.offload != "auto" and options.seq_len is None:
+            raise ValueError(f"{key} is a budget of offload='auto' (where each checkpointed layer's input waits); "
+                             f"pass offload='auto' with it, or leave it out")
+    return options
+
+
+def _attention_layers(model: nn.Module, states: dict[str, TilingState], attention: bool) -> list[Any]:
+    """The layers whose attention block ``attention=True`` runs (a ValueError where the model has none)."""
+    layers = attention_scopes(model, states) if attention else []
+    if attention and not layers:
+        raise ValueError(f"attention=True runs the attention block of each layer of the model's layer stack (the "
+                         f"items of its outermost nn.ModuleList) with the attention core's backward in KV-head "
+                         f"groups, but {type(model).__name__} has no nn.ModuleList of layers; leave attention=False")
+    return layers
+
+
+def _options_for(model: nn.Module, options: TilingOptions) -> tuple[TilingOptions, str]:
+    """``seq_len=T``: the memory options not given filled in from the plan for that length (``tiledmlp.plan``), said
+    once, and why, in one phrase. ValueError, naming the longest length that fits, when nothing does."""
+    given = {k: v for k, v in options.given().items() if k in LENGTH_OPTIONS}
+    chosen, plan, why = options_for_length(model, options.seq_len, given, options.gpu_mib, options.host_mib)
     if chosen.pop("checkpointing", False):  # the length fits only with the layers checkpointed
         enable_checkpointing(model)
         why = f"checkpointing turned on ({checkpointing_call(model)}), which the length needs; {why}"
-    options.update({k: v for k, v in chosen.items() if k != "loss"})
-    options["chosen_because"] = f"seq_len={seq_len}: {', '.join(f'{k}={v!r}' for k, v in chosen.items())} ({why})"
-    log.info("enable_tiling: %s; %s%s", options["chosen_because"],
-             plan.table().splitlines()[0].split(": ", 1)[1],
+    because = f"seq_len={options.seq_len}: {', '.join(f'{k}={v!r}' for k, v in chosen.items())} ({why})"
+    log.info("enable_tiling: %s; %s%s", because, plan.table().splitlines()[0].split(": ", 1)[1],
              f"; optimizer {plan.optimizer.label()}: {plan.optimizer_choice}" if plan.optimizer_choice else "")
-    return loss if "loss" in given else (None if chosen["loss"] else False)
+    loss = options.loss if "loss" in given else (None if chosen["loss"] else False)
+    return replace(options, **{k: v for k, v in chosen.items() if k != "loss"}, loss=loss), because
 
 
 def _place_optimizer_object(optimizer: Any, placement: Optional[str]) -> None:
@@ -248,17 +232,6 @@ def _place_optimizer_object(optimizer: Any, placement: Optional[str]) -> None:
         log.info("enable_tiling: %s now steps each parameter inside backward and frees its gradient "
                  "(tiledmlp.step_in_backward): one micro-batch per step, and no global-norm clipping",
                  type(optimizer).__name__)
-
-
-def _mlp_types(value: Any) -> tuple[type, ...]:
-    """``mlp_types`` as a tuple of ``nn.Module`` subclasses (``TypeError`` naming the option otherwise)."""
-    if isinstance(value, type) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(f"mlp_types must be a list of nn.Module subclasses, got {value!r}"
-                        + (f" (a class itself: pass [{value.__name__}])" if isinstance(value, type) else ""))
-    types = tuple(value)
-    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-        raise TypeError(f"mlp_types must be a list of nn.Module subclasses, got {types!r}")
-    return types
 
 
 def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
@@ -282,15 +255,6 @@ def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], pro
                         "torch.float32", option, dtype, " and ".join(wider), dtype)
 
 
-def _loss_options(options: dict[str, Any]) -> LossOptions:
-    scratch = options.get("loss_scratch_mib")  # checked with the memory options (tiledmlp.plan.arguments)
-    mode = options.get("loss_mode", "auto")
-    if mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss_mode {mode!r}; choose one of {list(LOSS_MODES)}")
-    accum = check_accum_dtype(options.get("loss_grad_accum_dtype", torch.float32), "loss_grad_accum_dtype")
-    return LossOptions(scratch, mode, accum)
-
-
 def disable_tiling(model: nn.Module) -> nn.Module:
     """Restore the original forwards of every tiled module in ``model`` (and the loss functions of
     tiled causal LMs); returns ``model``."""
@@ -299,7 +263,7 @@ def disable_tiling(model: nn.Module) -> nn.Module:
     uninstall(model)
     uninstall_follower(model)
     uninstall_offload(model)
-    model.__dict__.pop(OPTIONS_ATTR, None)
+    forget_options(model)
     return model
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..optimizers.build import build_optimizer
 from ..optimizers.spec import GPU
-from ..plan.plans import tiled_step_options
+from ..plan.options import tiled_step_options
 
 __all__ = ["make_optimizer"]
 

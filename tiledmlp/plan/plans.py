@@ -17,24 +17,19 @@ from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
 from ..offload.checkpointing import pinned_bytes
 from ..offload.host_memory import available_host_bytes
-from .arguments import check_memory_options
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
+from .options import ASSUMED_OPTIONS, PLANNED_OPTIONS, TilingOptions, tiled_step_options
 from .placement import place
 from .shapes import ModelShape, local_bytes, model_shape
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "tiled_step_options", "AutoPlacement",
-           "budgets", "refusal", "OPTIONS_ATTR"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "AutoPlacement", "budgets", "refusal"]
 
 log = logging.getLogger("tiledmlp")
 
-#: where ``enable_tiling`` leaves the options a model was tiled with (``plan_memory`` of a tiled model reads them)
-OPTIONS_ATTR = "_tiledmlp_step_options"
 GPU_MARGIN = (1 << 30, 0.03)  # left free on the device: the larger of 1 GiB and 3% (CUDA workspaces, fragmentation)
 HOST_MARGIN = 2 << 30  # left free on the host for everything else
-#: the enable_tiling options plan_memory takes; ``projections`` only to say that its terms are not modelled (its LoRA
-#: copies add per-token terms not measured on this version: the plan may be low, and says so)
-PLANNED_OPTIONS = ("loss", "norms", "attention", "offload", "loss_scratch_mib", "scratch_mib", "projections")
+#: ``projections=True``'s LoRA copies add per-token terms not measured on this version: the plan may be low, and says so
 UNMODELLED_PROJECTIONS = ("projections=True: the LoRA projections' per-token copies (their inputs, cast or not) are "
                           "not in this plan, so the device peak may be higher than planned; with offload='auto' give "
                           "gpu_mib with room to spare, or use offload='cpu'")
@@ -132,14 +127,9 @@ class MemoryPlan:
     __str__ = table
 
 
-def tiled_step_options(model: nn.Module) -> Optional[StepOptions]:
-    """The memory options ``enable_tiling`` tiled ``model`` with (None: not tiled)."""
-    return model.__dict__.get(OPTIONS_ATTR)
-
-
 def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: Optional[str] = None,
                  **options: Any) -> StepOptions:
-    """The memory-relevant options: those given (checked by the callers, ``tiledmlp.plan.arguments``), else those
+    """The memory-relevant options: those given (checked by the callers as ``TilingOptions``), else those
     ``model`` was tiled with, else ``enable_tiling``'s defaults; ``optimizer``'s bytes on this rank
     (``tiledmlp.plan.optimizer``: an optimizer object, or a name placed at ``optimizer_placement``, default
     ``"gpu"``), or the engine's offload the model is wrapped with."""
@@ -236,7 +226,7 @@ def _assumed(model: nn.Module, step: StepOptions, given: dict[str, Any]) -> str:
     tiled = tiled_step_options(model)
     source = "as tiled" if tiled is not None else "default"
     said = ", ".join(f"{key}={getattr(step, key)!r} ({'given' if key in given else source})"
-                     for key in ("loss", "norms", "attention", "offload"))
+                     for key in ASSUMED_OPTIONS)
     return said + (f"; tiled for {tiled.chosen_because}" if tiled is not None and tiled.chosen_because else "")
 
 
@@ -262,7 +252,8 @@ def _placed_optimizer(model: nn.Module, step: StepOptions, optimizer: Any, place
 
 def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence_parallel: int = 1,
                 optimizer: Any = None, optimizer_placement: Optional[str] = None, gpu_mib: Optional[float] = None,
-                host_mib: Optional[float] = None, **options: Any) -> MemoryPlan:
+                host_mib: Optional[float] = None, options: Optional[TilingOptions] = None,
+                **planned: Any) -> MemoryPlan:
     """The memory of one training step of ``model`` (a Hugging Face causal LM with checkpointed layers, bare or
     wrapped, tiled or not) for ``batch_size`` sequences of ``seq_len`` tokens, split over ``sequence_parallel``
     ranks (DeepSpeed's Ulysses, whose attention ``attention=True`` computes with ``tiledmlp.attention.ulysses``; a
@@ -273,8 +264,12 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     longest length that does; under ``offload="auto"``, which layers keep their attention output for the recompute
     with what the device budget has left (``tiledmlp.plan.memory``, design note "free memory spent on speed").
 
-    ``options``: ``enable_tiling``'s (``loss``, ``norms``, ``attention``, ``offload``, ``loss_scratch_mib``,
-    ``scratch_mib``, ``projections``); those left out are the ones ``model`` was tiled with, else the defaults.
+    ``planned``: ``enable_tiling``'s options that change the terms (``loss``, ``norms``, ``attention``, ``offload``,
+    ``loss_scratch_mib``, ``scratch_mib``, ``projections``: ``tiledmlp.plan.options.PLANNED_OPTIONS``); those left out
+    are the ones ``model`` was tiled with (:func:`tiling_options_of`), else the defaults. Or ``options``, a
+    :class:`TilingOptions` (what ``enable_tiling`` takes), read as the keywords it was given (``TilingOptions.given``:
+    its fields at their defaults as keywords left out), with its ``optimizer``, ``optimizer_placement``, ``gpu_mib``
+    and ``host_mib``; not both.
     ``projections=True``'s LoRA copies are not modelled: such a plan says so in its table and in a warning, once.
     ``optimizer``: count it (``tiledmlp.optimizers.spec``, design note: states, the step's temporaries, the gradients'
     lifetime, host copies): an optimizer object (placed as it is), or a name (``"adamw"``, torch's fused AdamW;
@@ -291,14 +286,21 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     if seq_len * batch_size % sequence_parallel:
         raise ValueError(f"the batch's {seq_len * batch_size} tokens must split evenly over the {sequence_parallel} "
                          "sequence-parallel ranks")
-    unknown = sorted(set(options) - set(PLANNED_OPTIONS))
-    if unknown:
-        raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
-                        f"{list(PLANNED_OPTIONS)}")
-    check_memory_options(model, dict(options, optimizer=optimizer, optimizer_placement=optimizer_placement,
-                                     gpu_mib=gpu_mib, host_mib=host_mib))
-    return plan_for_shape(model, model_shape(model), seq_len, batch_size, sequence_parallel, gpu_mib, host_mib,
-                          {"optimizer": optimizer, "optimizer_placement": optimizer_placement}, options)
+    if options is None:
+        unknown = sorted(set(planned) - set(PLANNED_OPTIONS))
+        if unknown:
+            raise TypeError(f"plan_memory got {unknown}; it takes the enable_tiling options that change its terms: "
+                            f"{list(PLANNED_OPTIONS)}")
+        options = TilingOptions(**planned, optimizer=optimizer, optimizer_placement=optimizer_placement,
+                                gpu_mib=gpu_mib, host_mib=host_mib)  # checked as enable_tiling checks them
+    elif planned or any(v is not None for v in (optimizer, optimizer_placement, gpu_mib, host_mib)):
+        raise TypeError("plan_memory takes the options as options=TilingOptions(...) or as keywords (norms=..., "
+                        "optimizer=..., gpu_mib=...), not both: put them all in the TilingOptions")
+    else:
+        planned = {k: v for k, v in options.given().items() if k in PLANNED_OPTIONS}
+    return plan_for_shape(model, model_shape(model), seq_len, batch_size, sequence_parallel, options.gpu_mib,
+                          options.host_mib, {"optimizer": options.optimizer,
+                                             "optimizer_placement": options.optimizer_placement}, planned)
 
 
 def plan_for_shape(model: nn.Module, shape: ModelShape, seq_len: int, batch_size: int, sequence_parallel: int,
