@@ -97,11 +97,11 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
         gpu_mib, host_mib: ``offload="auto"``'s budgets for one step on this rank (default: what the process may
             use when the step starts, minus margins: free device memory and what its allocator holds; available host
             memory, control-group aware).
-        seq_len: the tokens per step (per sequence; batch size 1) to plan for: the memory options not given
-            (``norms``, ``attention``, ``offload``) are the fewest that make the plan fit (:func:`plan_memory`;
-            turned on in that order), and ``offload="auto"`` where not given (it spends the rest of the device on
-            speed), said in one INFO line; a length that fits nowhere is a ValueError naming the longest that
-            does. Needs checkpointed layers.
+        seq_len: the tokens per step (per sequence; batch size 1) to plan for: of the memory options not given
+            (``norms``, ``attention``), those with which the plan fits and the step is fastest by its estimate
+            (``tiledmlp.plan.choose``), ``offload="auto"`` where not given (it spends the rest of the device on
+            speed), the layers checkpointed where the length needs it; said in one INFO line with the runner-up; a
+            length that fits nowhere is a ValueError naming the longest that does.
         optimizer: the optimizer the training step will run, counted by the plan (``seq_len``, ``offload="auto"``,
             :func:`describe`): an optimizer object, or a name (``"adamw"``: torch's fused AdamW, ``"adamw-foreach"``,
             ``"adamw8bit"``, or the Trainer's ``optim`` names). Default None: none counted (the plan says so).
