@@ -132,7 +132,7 @@ def test_the_test_command_runs_the_paths_it_is_given(tmp_path):
                                                                "tests/unit/test_layout.py", "-x"]]
     # the whole suite: the unit tests in two worker processes, then the distributed suite alone
     assert pytest_args("-k", "lora") == [
-        ["-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", "2", "-k", "lora"],
+        ["-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "worksteal", "-k", "lora"],
         ["-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider", "-k", "lora"]]
     # the whole suite (CI's) says the Axolotl end-to-end script is skipped, and why; a path given runs that path only
     assert "[tests] scripts/test_axolotl.sh skipped: it installs Axolotl" in said[("-k", "lora")]
