@@ -48,7 +48,6 @@ import functools
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,14 +65,15 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import tiledmlp  # noqa: E402
-from bench_longctx import MODELS, SMOKE, build_model, free, sync  # noqa: E402
+from bench_longctx import MODELS, SMOKE, build_model, free  # noqa: E402
 from bench_mlp import bench_device, median_ms, parse_variants, run_or_status  # noqa: E402
 from optimizer_step import NONE, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
 from reporting import fmt, gpu_name, save_results  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMNS = ("kind", "variant", "optimizer", "T", "layers", "autocast", "forms", "peak_gib", "time_s", "optimizer_s",
-           "ratio_vs_untiled", "loss", "losses", "projected", "gpu_mib", "gpu_name", "torch", "transformers", "bitsandbytes", "peft", "tiledmlp", "date")
+           "ratio_vs_untiled", "loss", "losses", "projected", "gpu_mib", "gpu_name", "torch", "transformers",
+           "bitsandbytes", "peft", "tiledmlp", "date")
 MLP_SHAPE = dict(hidden=4096, intermediate=14336)
 SMOKE_MLP = dict(hidden=64, intermediate=128)
 

@@ -116,8 +116,9 @@ def test_bench_qlora_smoke(tmp_path, autocast):
     assert by["step", "tiled+proj"]["forms"] == "glu+loss+norm+proj"
     assert by["mlp", "untiled"]["forms"] == "" and all(r["time_s"] > 0 and r["autocast"] is autocast for r in rows)
     for variant in ("untiled", "tiled", "tiled+proj"):  # a training step: the second step's loss after AdamW's first
-        first, second = map(float, by["step", variant]["losses"].split(";"))
-        assert by["step", variant]["optimizer"] == "adamw" and first != second and by["step", variant]["optimizer_s"] > 0
+        row = by["step", variant]
+        first, second = map(float, row["losses"].split(";"))
+        assert row["optimizer"] == "adamw" and first != second and row["optimizer_s"] > 0
     tol = 2e-2 if autocast else 1e-5
     for variant in ("tiled", "tiled+proj"):
         assert abs(by["step", variant]["loss"] - by["step", "untiled"]["loss"]) <= tol * abs(by["step", "untiled"]["loss"])

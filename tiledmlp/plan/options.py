@@ -118,9 +118,9 @@ class TilingOptions:
     def _check_memory_options(self) -> None:
         """The options that change a step's memory (``tiledmlp.plan.arguments``), as ``plan_memory`` checks them."""
         check_loss(self.loss)
-        for f in fields(self):
-            if f.type == "bool":
-                check_flag(f.name, getattr(self, f.name))
+        for name in SWITCHES:
+            if name != "loss":  # None too: check_loss
+                check_flag(name, getattr(self, name))
         check_offload(self.offload)
         for name in ("gpu_mib", "host_mib"):
             check_budget(name, getattr(self, name))
