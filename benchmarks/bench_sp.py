@@ -5,7 +5,9 @@ Every rank holds ``T / world`` tokens of one sequence (Ulysses' all-to-all aroun
 shifted before the split), checkpointed layers; a step is a forward and a backward, and with ``--optimizer adamw``
 (torch's fused AdamW over this rank's parameters: FSDP2's shards with ``--shard fsdp2``, on the host with
 ``--offload-policy``, FSDP2's ``CPUOffloadPolicy``) its step and ``zero_grad`` too, all timed and in the peak;
-``--steps`` whole steps on one batch (the last one timed, every one's loss in ``losses``).
+``--steps`` whole steps on one batch (the last one timed, every one's loss in ``losses``); the optimizer's states are
+made before the first (``make_states``), so that every measured step holds them as a training run's later steps do.
+One process (``--nproc-per-node 1``) runs the same steps unsplit, a check of the plan's FSDP2 layouts on one GPU.
 Variants:
 
 * ``untiled``      the model as is; its loss is the whole sequence's, ``tiledmlp.sequence_loss``.
@@ -40,6 +42,9 @@ by the rank's valid-label count (its loss computes the parameters' gradients in 
 of 1 and rescales only the input's), which the column shows. (The head is untied, so its gradient is its own.)
 
     torchrun --nproc-per-node 2 benchmarks/bench_sp.py --model 8b --seq-lens 262144,524288 --layers 32
+    torchrun --nproc-per-node 2 benchmarks/bench_sp.py --model 8b --layers 2 --scale-to 32 --shard fsdp2 \
+        --offload-policy --optimizer adamw --variants tiled+auto+norms+attn --gpu-mib 138434 --host-mib 127488 \
+        --seq-lens 3145728                    # a scaled full-depth training step (full_plan_gib: the whole model's)
     torchrun --nproc-per-node 2 benchmarks/bench_sp.py --smoke      # tiny model on CPU processes (gloo)
 
 Peak memory is ``torch.cuda.max_memory_allocated`` of each rank (the largest reported); ``predicted_gib`` is
@@ -78,6 +83,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 import tiledmlp.attention.layers  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
+from tiledmlp.optimizers.spec import spec_named  # noqa: E402
+from tiledmlp.plan.plans import budgets  # noqa: E402
+from tiledmlp.plan.shapes import device_bytes, kept_on_host, local_bytes  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, reset_host_peak  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
@@ -88,8 +96,9 @@ RING = ("ring", "ring+tiled+offload+norms")  # torch's context parallelism: CUDA
 VARIANTS = ("untiled", "alst", "tiled", "tiled+offload+norms", "tiled+offload+norms+attn+dsx",
             "tiled+offload+norms+attn", "tiled+auto+norms+attn") + RING
 COLUMNS = ("variant", "T", "world", "shard", "layers", "optimizer", "peak_gib", "predicted_gib", "host_gib",
-           "host_rss_gib", "placement", "optimizer_label", "gpu_mib", "host_mib", "step_s", "loss", "losses", "grad_rel",
-           "gpu_name", "torch", "transformers", "deepspeed", "tiledmlp", "date")
+           "host_rss_gib", "placement", "optimizer_label", "gpu_mib", "host_mib", "step_s", "loss", "losses",
+           "grad_rel", "scale_to", "full_gpu_mib", "full_host_mib", "full_plan_gib", "full_plan_host_gib",
+           "full_placement", "full_longest", "gpu_name", "torch", "transformers", "deepspeed", "tiledmlp", "date")
 
 
 def alst_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, shift: torch.Tensor,
@@ -176,6 +185,8 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     positions = torch.arange(tokens, device=device)[None]
     inputs = dict(input_ids=ids[:, cut], position_ids=positions[:, cut])
     model.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        make_states(optimizer)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -226,6 +237,70 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
             "host_gib": stats[2].item(), "host_rss_gib": stats[3].item(), "loss": values[-1].item(),
             "losses": ";".join(f"{v:.4f}" for v in values.tolist()), "grads": grads}
+
+
+def make_states(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer``'s states before the measured steps, with a step on zero gradients: every step after a
+    training run's first holds them, and the first makes them only in its ``optimizer.step()``, after backward's peak.
+    AdamW's update of a zero gradient is zero and this one has no weight decay, so no weight moves."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def layer_device_bytes(layer: nn.Module, optimizer: str) -> int:
+    """What one decoder layer adds to this rank's device during a step: its weights' shards, their gradients and,
+    with ``optimizer`` (``"adamw"``, stepped after backward), its states; nothing for shards FSDP2's
+    ``CPUOffloadPolicy`` keeps on the host."""
+    params = list(layer.parameters())
+    spec = spec_named(optimizer) if optimizer != "none" else None
+    states = sum(spec.device_state_bytes(local_bytes(p) // p.element_size(), p.element_size())
+                 for p in params if spec is not None and not kept_on_host(p))
+    return 2 * sum(device_bytes(p) for p in params) + states
+
+
+def scaled(model: nn.Module, variant: str, tokens: int, world: int, mesh: Any, args) -> dict[str, Any]:
+    """``--scale-to N``: the budgets of this ``--layers``-layer run that give it the whole N-layer model's share, and
+    the whole model's plan at ``tokens`` (the projection this run checks). The whole model is built on the meta
+    device and sharded as this one is (with ``--offload-policy`` its shards are then made, uninitialised, in host
+    memory, where FSDP2 keeps them); its device budget less the missing layers' weights, gradients and optimizer
+    states is this run's; its host budget's share for layer inputs (what its optimizer leaves) scaled by layers / N,
+    plus this run's optimizer host bytes, is this run's."""
+    size = {**(SMOKE if args.smoke else MODELS[args.model]), "tied": False, "layers": args.scale_to}
+    whole = build_model(size, tokens, torch.device("meta"), next(model.parameters()).dtype)
+    whole.config.use_cache = False
+    if args.shard == "fsdp2":
+        shard(whole, mesh, args.offload_policy)
+        if args.offload_policy:
+            whole.to_empty(device="cpu")
+    gpu, host = (b if b is not None else 1 << 50 for b in budgets(model, args.gpu_mib, args.host_mib))
+    configure(whole, variant, gpu / 2**20, host / 2**20)
+    optimizer = args.optimizer if args.optimizer != "none" else None
+    plan = tiledmlp.plan_memory(whole, tokens, sequence_parallel=world, optimizer=optimizer)
+    mine = tiledmlp.plan_memory(model, tokens, sequence_parallel=world, optimizer=optimizer, gpu_mib=1 << 30,
+                                host_mib=1 << 30).optimizer.host_bytes
+    run_layers = len(model.model.layers)
+    missing = (args.scale_to - run_layers) * layer_device_bytes(model.model.layers[0], args.optimizer)
+    inputs_host = host - plan.optimizer.host_bytes
+    result = {"gpu_mib": (gpu - missing) / 2**20, "host_mib": (inputs_host * run_layers / args.scale_to + mine) / 2**20,
+              "full_gpu_mib": gpu / 2**20, "full_host_mib": host / 2**20, "full_plan_gib": plan.gpu_peak_bytes / 2**30,
+              "full_plan_host_gib": plan.host_peak_bytes / 2**30, "full_placement": plan.placed(),
+              "full_longest": plan.longest_seq_len, "scale_to": args.scale_to}
+    # FSDP2's state keeps the whole model alive (its module-state table): give its host shards back now
+    whole.to_empty(device="meta")
+    return result
+
+
+def shard(model: nn.Module, mesh: Any, offload_policy: bool) -> None:
+    """FSDP2 over ``mesh``: a unit per decoder layer and the root; ``offload_policy``: ``CPUOffloadPolicy``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")} if offload_policy else {}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
 
 
 def _step(model: nn.Module, variant: str, ids: torch.Tensor, shift: torch.Tensor, positions: torch.Tensor, cut: slice,
@@ -291,6 +366,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the device budget per rank of the auto variant (default: what each rank may use)")
     parser.add_argument("--host-mib", type=float, default=None,
                         help="the host budget per rank of the auto variant (default: each rank's share of the host)")
+    parser.add_argument("--scale-to", type=int, default=None,
+                        help="N: --gpu-mib / --host-mib are the whole N-layer model's budgets, scaled to the layers "
+                             "run for the auto variant; the whole model's plan beside each row (full_plan_gib)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="GPUs: record rank 0's step and write what was alive at its peak, per local token "
                              "(profile_layer_memory_sp_*.csv/.md beside the results; slower)")
@@ -334,21 +412,16 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # before Ulysses' registration replaces it (the ring variants call it)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, micro_batch_size=1)
-    group = mpu.get_sequence_parallel_group()
+    # one process: no split (DeepSpeed registers no Ulysses for one rank), as a check of the plan on one GPU
+    mpu = (UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, micro_batch_size=1) if world > 1
+           else None)
+    group = mpu.get_sequence_parallel_group() if mpu is not None else dist.group.WORLD
+    mesh = None
     if args.shard == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (world,))
-        policy = {}
-        if args.offload_policy:
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
-            policy = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, **policy)
-        fully_shard(model, mesh=mesh, **policy)
+        shard(model, mesh, args.offload_policy)
     ring = None
     if any(v in RING for v in args.variants):
         from torch.distributed.device_mesh import init_device_mesh
@@ -368,11 +441,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     out_of_memory = {"step_s": "oom", "peak_gib": "oom", "loss": math.nan, "grad_rel": math.nan}
     for tokens in args.seq_lens:
         for variant in args.variants:
-            configure(model, variant, args.gpu_mib, args.host_mib)
-            budgets = ({"gpu_mib": args.gpu_mib, "host_mib": args.host_mib} if "auto" in variant.split("+")
-                       else {})  # the budgets of offload="auto", where given (else what each rank may use)
+            auto = "auto" in variant.split("+")
+            # the budgets of offload="auto", where given (else what each rank may use), or the whole model's scaled
+            given = (scaled(model, variant, tokens, world, mesh, args) if auto and args.scale_to else
+                     {"gpu_mib": args.gpu_mib, "host_mib": args.host_mib} if auto else {})
+            configure(model, variant, given.get("gpu_mib"), given.get("host_mib"))
             row = {"variant": variant, "T": tokens, "world": world, "shard": args.shard, "layers": size["layers"],
-                   "optimizer": args.optimizer + ("+offload_policy" if args.offload_policy else ""), **budgets}
+                   "optimizer": args.optimizer + ("+offload_policy" if args.offload_policy else ""), **given}
 
             def stuck(why: str) -> None:
                 print(f"  T={tokens:>8} {variant:<20} out of memory: {why}; ending the run", flush=True)

@@ -83,7 +83,8 @@ class OptimizerSpec:
 
     def label(self) -> str:
         """One phrase for a plan's table: what it is and where it lives."""
-        engine = "; the engine's placement, counted by its layout, not measured here" if self.engine else ""
+        engine = ("; the engine's placement, counted by its layout" + (", not measured here" if self.engine != "fsdp2"
+                                                                      else "") if self.engine else "")
         return f"{_LABELS[self.algorithm]} ({self.implementation}), {_WHERE[self.placement]}{engine}"
 
     @property

@@ -13,7 +13,7 @@ from torch import nn
 from ..core.logs import warn_once
 from ..optimizers.in_backward import is_stepped_in_backward
 from ..optimizers.spec import BACKWARD, GPU, HOST, PLACEMENTS, OptimizerSpec, spec_named, spec_of
-from .shapes import local_bytes
+from .shapes import kept_on_host, local_bytes
 
 __all__ = ["OptimizerMemory", "optimizer_memory", "placements_for", "NO_OPTIMIZER"]
 
@@ -100,12 +100,9 @@ def engine_placement(model: nn.Module) -> Optional[OptimizerSpec]:
         # ZeRO-1/2 partition the optimizer over the data-parallel ranks; ZeRO-3 parameters are partitions already
         partitions = 1 if model.zero_optimization_stage() == 3 else max(getattr(model, "dp_world_size", 1), 1)
         return OptimizerSpec("adamw", "DeepSpeed ZeRO-Offload", HOST, engine="deepspeed", partitions=partitions)
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and hasattr(p, "to_local"):
-            if p.to_local().device.type == "cpu" and mesh.device_type != "cpu":
-                return OptimizerSpec("adamw", "FSDP2 CPUOffloadPolicy", HOST, engine="fsdp2")
-            break
+    first = next(model.parameters(), None)
+    if first is not None and kept_on_host(first):
+        return OptimizerSpec("adamw", "FSDP2 CPUOffloadPolicy", HOST, engine="fsdp2")
     return None
 
 

@@ -21,7 +21,7 @@ from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .options import ASSUMED_OPTIONS, PLANNED_OPTIONS, TilingOptions, tiled_step_options
 from .placement import place
-from .shapes import ModelShape, local_bytes, model_shape
+from .shapes import ModelShape, compute_device, device_bytes, model_shape
 
 __all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "AutoPlacement", "budgets", "refusal"]
 
@@ -148,10 +148,6 @@ def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: O
     return replace(step, optimizer=optimizer_memory(model, optimizer, optimizer_placement, engine))
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
 def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
             host_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
     """``(device, host)`` bytes a step may take: those given, else what this process may use now, minus margins:
@@ -159,7 +155,7 @@ def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
     memory (control-group aware; shared evenly by the ``LOCAL_WORLD_SIZE`` ranks a launcher started on this host) plus
     the offload buffers this process already holds. A model on the CPU computes in host memory: that share is its
     device budget, and its host budget is 0 (offloading copies within host memory there, saving nothing)."""
-    device = _device_of(model)
+    device = compute_device(model)
     gpu = int(gpu_mib * 2**20) if gpu_mib is not None else None
     if gpu is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -310,7 +306,7 @@ def plan_for_shape(model: nn.Module, shape: ModelShape, seq_len: int, batch_size
     optimizer_placement = optimizer.get("optimizer_placement")
     optimizer = optimizer.get("optimizer")
     placed = optimizer is not None and engine_placement(model) is None  # the engine's placement is its own
-    placements = placements_for(optimizer, _device_of(model), optimizer_placement) if placed else ()
+    placements = placements_for(optimizer, compute_device(model), optimizer_placement) if placed else ()
     step = step_options(model, optimizer, placements[0] if placed else None, **options)
     if step.offload is not None and not shape.checkpointed:
         raise ValueError(f"offload={step.offload!r} moves checkpointed layers' inputs, and no module of "
@@ -392,9 +388,9 @@ class AutoPlacement:
 def _other_device_bytes(model: nn.Module) -> int:
     """What this process has allocated on the model's device besides the weights and gradients (the optimizer's
     states, the inputs): counted as a constant of the step; 0 on a CPU."""
-    device = _device_of(model)
+    device = compute_device(model)
     if device.type != "cuda":
         return 0
     params = list(dict.fromkeys(model.parameters()))
-    model_bytes = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in params)
+    model_bytes = sum(device_bytes(p) + (device_bytes(p.grad) if p.grad is not None else 0) for p in params)
     return max(torch.cuda.memory_allocated(device) - model_bytes, 0)

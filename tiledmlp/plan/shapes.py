@@ -1,5 +1,6 @@
 """What the memory model reads from a model, never running it: the decoder's shapes (its Hugging Face config) and the
-bytes this rank holds of each parameter (its shard under FSDP, ZeRO-3 or tensor parallelism)."""
+bytes this rank holds of each parameter (its shard under FSDP, ZeRO-3 or tensor parallelism) and where: on its device,
+or on the host (FSDP2's ``CPUOffloadPolicy``), which also says which device the model computes on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 from ..distributed.deepspeed import is_zero3_param
 from ..offload.checkpointing import checkpointing_modules
 
-__all__ = ["ModelShape", "model_shape", "local_bytes", "decoder_layers"]
+__all__ = ["ModelShape", "model_shape", "local_bytes", "device_bytes", "kept_on_host", "compute_device",
+           "decoder_layers"]
 
 
 def local_bytes(p: torch.Tensor) -> int:
@@ -24,9 +26,37 @@ def local_bytes(p: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def kept_on_host(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a shard FSDP2's ``CPUOffloadPolicy`` keeps on the host: a ``DTensor`` whose local shard is on
+    the CPU while its mesh computes on an accelerator. Its gradient lands there too; only its gathered copy, during
+    its unit's forward and backward, is on the device."""
+    mesh = getattr(p, "device_mesh", None)
+    return (mesh is not None and hasattr(p, "to_local") and mesh.device_type != "cpu"
+            and p.to_local().device.type == "cpu")
+
+
+def device_bytes(p: torch.Tensor) -> int:
+    """Bytes of ``p`` (and of its gradient) this rank holds on its device between uses: its :func:`local_bytes`, or 0
+    for a shard kept on the host (:func:`kept_on_host`)."""
+    return 0 if kept_on_host(p) else local_bytes(p)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: its parameters', or, for FSDP2 shards kept on the host, their mesh's
+    accelerator (the current one of its type)."""
+    for p in model.parameters():
+        if kept_on_host(p):
+            kind = p.device_mesh.device_type
+            module = torch.get_device_module(kind)
+            return torch.device(kind, module.current_device()) if module.is_available() else torch.device(kind)
+        return p.device
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only model as the memory model sees it (bytes are this rank's)."""
+    """A decoder-only model as the memory model sees it (bytes are this rank's: the weights' and gradients' those on
+    its device, :func:`device_bytes`)."""
 
     hidden: int
     heads: int
@@ -110,7 +140,7 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None,
     itemsize = act_dtype.itemsize if act_dtype is not None else common[0][0].itemsize if common else 4
     embedding = getattr(_call(model, "get_input_embeddings"), "weight", None)
     tied = embedding is not None and getattr(_call(model, "get_output_embeddings"), "weight", None) is embedding
-    tied_grad = local_bytes(embedding) if tied and embedding.requires_grad else 0
+    tied_grad = device_bytes(embedding) if tied and embedding.requires_grad else 0
     if tied:
         embedding = None  # its gradient comes with the head's, first in backward
     trainable = [p for p in params if p.requires_grad]
@@ -122,12 +152,12 @@ def model_shape(model: nn.Module, act_dtype: Optional[torch.dtype] = None,
         hidden=config.hidden_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, vocab=config.vocab_size, layers=config.num_hidden_layers,
         checkpointed=len(layers) if checkpointed else 0, act_itemsize=itemsize,
-        weight_bytes=sum(local_bytes(p) for p in params),
-        grad_bytes=sum(local_bytes(p) for p in trainable),
-        embedding_grad_bytes=local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0,
+        weight_bytes=sum(device_bytes(p) for p in params),
+        grad_bytes=sum(device_bytes(p) for p in trainable),
+        embedding_grad_bytes=device_bytes(embedding) if embedding is not None and embedding.requires_grad else 0,
         trainable_bytes=sum(local_bytes(p) for p in trainable),
-        layer_grad_bytes=tuple(sum(local_bytes(p) for p in m.parameters() if p.requires_grad) for m in layers),
-        layer_unit_grad_bytes=tuple(max((sum(local_bytes(p) for p in c.parameters() if p.requires_grad)
+        layer_grad_bytes=tuple(sum(device_bytes(p) for p in m.parameters() if p.requires_grad) for m in layers),
+        layer_unit_grad_bytes=tuple(max((sum(device_bytes(p) for p in c.parameters() if p.requires_grad)
                                          for c in m.children()), default=0) for m in layers),
         tied_grad_bytes=tied_grad, intermediate=getattr(config, "intermediate_size", None) or 0,
         gathered_bytes=_gathered_bytes([p for p in params if id(p) not in in_layers],
@@ -139,13 +169,16 @@ def _gathered_bytes(outside: list[torch.Tensor], layers: list[list[torch.Tensor]
     """What FSDP2 (parameters that are ``DTensor`` shards) holds whole at a layer's backward beyond the shards: the
     root unit's parameters (the embeddings, the final norm, the head: not resharded between forward and backward),
     the layer's own (twice where another layer is there to prefetch), and the root's gradients but the input
-    embedding's (reduce-scattered only once the embedding's, last in backward, is made) less their shards; 0 for
-    parameters that are not FSDP2's. Measured on two H100s (8B shape, one layer): 2.0 GiB of root and 0.41 GiB of
-    layer parameters, the head's 1.0 GiB gradient (``benchmarks/results/profile_layer_memory_sp_*``)."""
+    embedding's (reduce-scattered only once the embedding's, last in backward, is made) less the shards the device
+    holds anyway (none under ``CPUOffloadPolicy``: the whole gradients wait on the device, and only their shards go
+    to the host); 0 for parameters that are not FSDP2's. Measured on two H100s (8B shape, one layer): 2.0 GiB of
+    root and 0.41 GiB of layer parameters, the head's 1.0 GiB gradient (``benchmarks/results/
+    profile_layer_memory_sp_*``; on one H200 under ``CPUOffloadPolicy``, the head's whole gradient at the peak:
+    ``..._fsdp2_offload_policy.md``)."""
     def whole(tensors: list[torch.Tensor]) -> int:
         return sum(p.numel() * p.element_size() for p in tensors if hasattr(p, "to_local"))
 
     layer = max((whole(ps) for ps in layers), default=0)
     root_grads = [p for p in outside if p.requires_grad and p is not embedding]
-    unsharded_grads = whole(root_grads) - sum(local_bytes(p) for p in root_grads if hasattr(p, "to_local"))
+    unsharded_grads = whole(root_grads) - sum(device_bytes(p) for p in root_grads if hasattr(p, "to_local"))
     return whole(outside) + layer * min(len(layers), 2) + unsharded_grads

@@ -285,3 +285,65 @@ def test_the_longest_length_is_the_longest_any_placement_allows(model):
     longest = tiledmlp.plan_memory(model, short.longest_seq_len, optimizer="adamw", **options)
     assert longest.fits and longest.optimizer.spec.placement == short.longest_placement
     assert not tiledmlp.plan_memory(model, short.longest_seq_len + 1024, optimizer="adamw", **options).fits
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A process group of this process alone (gloo), for DTensor parameters; gone after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def fsdp2_layout(model: torch.nn.Module, on_host: bool) -> torch.nn.Module:
+    """``model``'s parameters as FSDP2 on one rank lays them out on a GPU: ``DTensor`` shards of a CUDA mesh, whose
+    local tensors are on the host with ``CPUOffloadPolicy`` (``on_host``; allocated, never touched) and on the device
+    without (left on the meta device here). Built directly, as this machine has no CUDA for ``fully_shard``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    # DTensor.from_local would move the local tensors to the mesh's device; the spec keeps them where they are
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            local = torch.empty(p.shape, dtype=p.dtype, device="cpu" if on_host else "meta")
+            spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype))
+            setattr(module, name, torch.nn.Parameter(DTensor(local, spec, requires_grad=True)))
+    return model
+
+
+def test_fsdp2_cpu_offload_policy_keeps_weights_and_gradients_off_the_device(one_rank_group):
+    """FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and AdamW on the host: the plan counts none of
+    them on the device (the root unit's whole gradients wait there for its reduce-scatter at the end of backward),
+    and plans a model whose parameters sit on the host for the mesh's GPU. Against one H200's steps (8B shape,
+    2 layers, FSDP2 on one rank, AdamW with its states made before the measured step, ``bench_sp.py``): each row
+    within 3% (the layout with AdamW on the device beside them). Before, the plan counted the host's shards and
+    gradients on the device, 13-19% high at 262,144 tokens, and planned such a model as one computing on the CPU."""
+    import csv
+
+    from tiledmlp.plan.shapes import compute_device
+
+    rows = [(path.name, row) for path in sorted(RESULTS.glob("bench_sp_nvidia-h200_8b_2l_fsdp2_*.csv"))
+            for row in csv.DictReader(path.open())]
+    assert len(rows) == 6, [name for name, _ in rows]
+    errors = {}
+    for on_host in (True, False):
+        model = fsdp2_layout(bench_longctx.build_model(dict(bench_longctx.MODELS["8b"], layers=2, tied=False),
+                                                       1 << 20, torch.device("meta"), torch.bfloat16), on_host)
+        assert (compute_device(model).type == "cuda") == on_host
+        for name, row in rows:
+            if ("offload_policy" in row["optimizer"]) != on_host:
+                continue
+            parts = set(row["variant"].split("+"))
+            budgets = (dict(offload="auto", gpu_mib=float(row["gpu_mib"]), host_mib=float(row["host_mib"]))
+                       if "auto" in parts else dict(offload="cpu", gpu_mib=1 << 20, host_mib=1 << 20))
+            plan = tiledmlp.plan_memory(model, int(row["T"]), norms=True, attention=True, optimizer="adamw",
+                                        optimizer_placement=None if on_host else "gpu", **budgets)
+            assert ("CPUOffloadPolicy" in plan.optimizer.label()) == on_host, plan.table()
+            assert plan.placed() == row["placement"], (plan.placed(), row)
+            errors[f"{row['variant']}@{row['T']} {row['optimizer']}"] = plan.gpu_peak_bytes / GIB / float(
+                row["peak_gib"]) - 1
+    assert max(abs(e) for e in errors.values()) <= 0.03, errors
