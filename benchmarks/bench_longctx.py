@@ -88,7 +88,7 @@ from optimizer_step import sync  # noqa: E402, F401 (other benchmarks import it 
 from tiledmlp.optimizers.spec import spec_named  # noqa: E402
 from tiledmlp.plan.optimizer import optimizer_memory  # noqa: E402
 from tiledmlp.plan.options import tiled_step_options  # noqa: E402
-from tiledmlp.plan.plans import budgets  # noqa: E402
+from tiledmlp.plan.budgets import budgets  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)
 

@@ -84,7 +84,7 @@ import tiledmlp  # noqa: E402
 import tiledmlp.attention.layers  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from tiledmlp.optimizers.spec import spec_named  # noqa: E402
-from tiledmlp.plan.plans import budgets  # noqa: E402
+from tiledmlp.plan.budgets import budgets  # noqa: E402
 from tiledmlp.plan.shapes import device_bytes, kept_on_host, local_bytes  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, reset_host_peak  # noqa: E402

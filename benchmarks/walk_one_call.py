@@ -6,7 +6,7 @@ first one has planned and decided what can be decided. Counted:
 * **moves**: changes of package (a call into another package, or a return to the caller's);
 * **climbs**: moves to a package on a higher floor (docs/design.md's table) — returns up the layers, and calls up;
 * **entered**: per package, how many times control came into it from another one;
-* **up-calls**: calls (not returns) into a higher floor: a lower room asking a higher one.
+* **up-calls**: calls (not returns) into a higher floor: a lower package asking a higher one.
 
 Counted twice: in full, and **folded** as the drawing draws a loop (an edge walked N times is one arrow, "xN"): where
 the same run of moves, arriving in the same functions, repeats back to back (a form's shards, one per loop turn; one

@@ -303,3 +303,25 @@ def test_the_project_uses_no_old_path():
         used[str(path.relative_to(ROOT))] = old_paths_used(modules, names)
     used = {where: sorted(paths) for where, paths in used.items() if paths}
     assert not used, f"old import paths (tiledmlp/_deprecated.py has the new ones): {used}"
+
+
+#: a design note's title line in a module docstring, and a citation of one anywhere (wrapped over lines, in comments)
+NOTE_TITLE = re.compile(r"^\s*\[Note: ([^\]]+)\]\s*$", re.M)
+NOTE_CITED = re.compile(r"\[Note: ((?:[^\]\n]|\n[\s#:]*)+?)\]")
+
+
+def test_every_note_is_written_once_and_every_citation_finds_it():
+    """Design notes are ``[Note: title]`` blocks in the package's docstrings, cited by title from code, tests and docs
+    (as FSDP2 cites its notes): a title written twice, or a citation no note answers, is a reader sent nowhere."""
+    titles: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for title in NOTE_TITLE.findall(path.read_text()):
+            titles.setdefault(title, []).append(name)
+    assert titles and not {t: m for t, m in titles.items() if len(m) > 1}
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "docs").glob("*.md")]
+    sources.remove(Path(__file__).resolve())  # its patterns are not citations
+    cited = {(str(p.relative_to(ROOT)), re.sub(r"\s*\n[\s#:]*", " ", t)) for p in sources
+             for t in NOTE_CITED.findall(p.read_text())}
+    assert not sorted(c for c in cited if c[1] not in titles), "cited notes no module writes"
+    assert not [str(p) for p in PACKAGE.rglob("*.py") if re.search(r"(?i)design note", p.read_text())], \
+        "write a design note as [Note: title] and cite it by title"

@@ -1,6 +1,6 @@
 """TRL's ``SFTTrainer`` on a model tiled before it: the trainer applies ``peft_config`` itself, after
-``enable_tiling``, so every tiled MLP is planned again at its first call (``patching/state.py``'s design note) and
-takes the fast form with its new LoRA adapters. Tiled trains as untiled (CPU, tiny Llama and a word-level tokenizer
+``enable_tiling``, so every tiled MLP is planned again at its first call (``patching/state.py``, [Note: a module
+that changed since it was planned]) and takes the fast form with its new LoRA adapters. Tiled trains as untiled (CPU, tiny Llama and a word-level tokenizer
 built in code)."""
 
 from __future__ import annotations

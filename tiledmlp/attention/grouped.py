@@ -1,8 +1,7 @@
 """The attention core's backward in groups of KV heads: :func:`grouped_attention`, the function
 ``enable_tiling(model, attention=True)`` computes SDPA calls with (``tiledmlp.attention`` takes the calls).
 
-Design note — what the attention core's backward holds
-------------------------------------------------------
+[Note: what the attention core's backward holds]
 With tiled MLPs, loss and norms and offloaded layer inputs, the peak of a long-context step is the fused attention
 kernel's backward in one layer's recompute (``docs/long-context.md``, "What is alive at the peak"). Besides the
 tensors the core needs at full length — q, k, v, its output and their gradients — the fused kernel's backward
@@ -24,8 +23,7 @@ for forward and backward, 44.1 -> 17.5 KiB per token of backward scratch and gra
 is the fewest whose scratch fits the shard policy's ``scratch_mib`` (:func:`kv_heads_per_call`): one group — the
 untouched SDPA call — up to 8K tokens for the 8B shape, eight from 64K. Communication: none (no parameters).
 
-Design note — the forward's output kept for the recompute
----------------------------------------------------------
+[Note: the forward's output kept for the recompute]
 Under activation checkpointing a layer's recompute runs the attention core's forward a second time, to rebuild the
 output and log-sum-exp its backward needs: about 15% of a long step (Llama-3.1-8B, 128K tokens), quadratic in
 the tokens. Where the memory plan has room (``offload="auto"``), the layer's checkpoint runs in a
@@ -64,7 +62,7 @@ def attention_scratch_per_token(q_heads: int, head_dim: int, grouped: bool, item
 
 
 def kept_bytes_per_token(q_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes per query token of a kept forward (design note): the output and the float32 log-sum-exp."""
+    """Bytes per query token of a kept forward ([Note: the forward's output kept for the recompute]): the output and the float32 log-sum-exp."""
     return q_heads * (head_dim * itemsize + 4)
 
 
@@ -192,7 +190,7 @@ def why_not_grouped(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float, is
 
 
 class KeptForward(NamedTuple):
-    """What a forward kept for its recompute (design note): the kernel's outputs, and what they were computed
+    """What a forward kept for its recompute ([Note: the forward's output kept for the recompute]): the kernel's outputs, and what they were computed
     for."""
 
     out: torch.Tensor
@@ -254,12 +252,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
                       kept: Optional[KeptForward] = None,
                       keep: Optional[Callable[[KeptForward], None]] = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)`` with the
-    backward run ``kv_per_call`` KV heads at a time (design note). ``q``: ``[batch, q_heads, tokens, head_dim]``;
+    backward run ``kv_per_call`` KV heads at a time ([Note: what the attention core's backward holds]). ``q``: ``[batch, q_heads, tokens, head_dim]``;
     ``k``, ``v``: ``[batch, kv_heads, tokens, head_dim]``, ``kv_heads`` dividing ``q_heads`` and divisible by
     ``kv_per_call``. No mask, no dropout; on a GPU 16-bit inputs. ``kernel``: one of :data:`KERNELS` (default:
     :func:`sdpa_kernel_name`, what SDPA itself would run). ``keep``: called with what the forward computed, to keep it
     for the recompute; ``kept``: what the forward this call recomputes kept (:func:`kept_for`), used instead of
-    running the kernel (design note "the forward's output kept"). Memory: what SDPA saves, and one group's backward
+    running the kernel ([Note: the forward's output kept for the recompute]). Memory: what SDPA saves, and one group's backward
     scratch instead of all heads'; what is kept lives where ``keep`` puts it. Communication: none."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or k.shape[1] % kv_per_call:
         raise ValueError(f"grouped_attention takes q [batch, heads, tokens, dim] and k, v [batch, kv_heads, tokens, "
@@ -274,7 +272,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
 
 def kept_for(region: CheckpointRegion, call: tuple) -> Optional[KeptForward]:
     """In a recompute of ``region``: what its forward kept for this call (``call``: :func:`call_key`'s, or
-    ``ulysses_call_key``'s), if it still serves it (design note); None otherwise, said once when something was kept
+    ``ulysses_call_key``'s), if it still serves it ([Note: the forward's output kept for the recompute]); None otherwise, said once when something was kept
     but cannot serve."""
     kept = region.take(ATTENTION)
     if kept is not None and not kept.serves(call):

@@ -1,13 +1,12 @@
 """Long-context attention blocks with less memory per token: ``enable_tiling(model, attention=True)``.
 
 Each layer's SDPA call computed by :func:`tiledmlp.attention.grouped.grouped_attention` (the core's backward in
-groups of KV heads; its design note says why and at what cost) or, under DeepSpeed's Ulysses,
+groups of KV heads; its notes say why and at what cost) or, under DeepSpeed's Ulysses,
 :func:`tiledmlp.attention.ulysses.ulysses_attention`, and q/k/v of a tiled norm's output keeping the norm's input
 (``norm_outputs``). Measured on an H100 (Llama-3.1-8B shape, full fine-tuning): 96.7 -> 60.6 KiB per token, the step no
 slower (``docs/long-context.md``).
 
-Design note — where the call is taken
--------------------------------------
+[Note: where an attention call is taken]
 Attention code calls ``torch.nn.functional.scaled_dot_product_attention`` (transformers' ``"sdpa"``
 implementation, DeepSpeed's Ulysses around it, most custom models). A :class:`torch.overrides.TorchFunctionMode`
 entered around the forward of each layer's attention block (:func:`attention_scopes`: in each item of the model's
@@ -24,10 +23,10 @@ runs the original call, untouched:
 
 A grouped call inside a checkpointed layer that ``offload="auto"``'s plan lets keep its attention output
 (``tiledmlp.core.regions``) keeps it from the forward for the recompute, which then runs no attention forward
-(``grouped.py``, design note "the forward's output kept"); counted per layer in :func:`describe`.
+(``grouped.py``, [Note: the forward's output kept for the recompute]); counted per layer in :func:`describe`.
 
 Under DeepSpeed's Ulysses the block's mode also takes the calls of Ulysses' own attention module, exchanges and all
-(:meth:`GroupedAttentionMode.ulysses`; ``ulysses.py``, design note "where the call is taken"): its SDPA call is then
+(:meth:`GroupedAttentionMode.ulysses`; ``ulysses.py``, [Note: where a Ulysses call is taken]): its SDPA call is then
 never made.
 
 Each reason is logged once and counted per layer in :func:`describe`, so a model that never reaches this path
@@ -87,7 +86,7 @@ def _seen_call() -> None:
 
 
 class GroupedAttentionMode(TorchFunctionMode):
-    """Takes ``F.scaled_dot_product_attention`` calls that :func:`grouped_attention` can compute (design note);
+    """Takes ``F.scaled_dot_product_attention`` calls that :func:`grouped_attention` can compute ([Note: where an attention call is taken]);
     counts, per reason, the calls it leaves to the original. Every other function passes through unchanged."""
 
     def __init__(self, scratch_mib: Optional[float] = None,
@@ -159,7 +158,7 @@ class GroupedAttentionMode(TorchFunctionMode):
                 key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         """A call of DeepSpeed's Ulysses attention ``ulysses`` (``original``: its own forward) in this block:
         computed by :func:`~tiledmlp.attention.ulysses.ulysses_attention` where it gives what ``original`` gives
-        (design note "where the call is taken"), else ``original``, whose SDPA call this mode then takes."""
+        ([Note: where a Ulysses call is taken]), else ``original``, whose SDPA call this mode then takes."""
         run = functools.partial(original, module, query, key, value, attention_mask, *args, **kwargs)
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in (query, key, value)):
             return run()

@@ -2,8 +2,7 @@
 attention=True)``): :func:`remember_norm_output`, called by the tiled norms, and :func:`linear_of_norm_output`, which
 the attention blocks' mode (``tiledmlp.attention.layers``) computes q/k/v's ``F.linear`` calls with.
 
-Design note — the norm's output, recomputed
--------------------------------------------
+[Note: the norm's output, recomputed]
 q, k and v keep their input — the input norm's output, ``tokens x hidden`` — for their weight gradients, from the
 layer's recompute to the end of its backward, through the attention core's and the MLP's backward (the peaks).
 With ``norms=True`` that output comes from a tiled norm, which keeps its own input (the layer's input, alive
@@ -98,7 +97,7 @@ def _keeps_its_input(xn: torch.Tensor, weight: Any, bias: Any) -> bool:
 
 def linear_of_norm_output(xn: Any, weight: Any, bias: Any = None) -> Optional[torch.Tensor]:
     """``F.linear(xn, weight, bias)`` keeping the norm's input, when ``xn`` is a remembered norm output and nothing
-    makes the call keep its own input (design note); None otherwise (the caller runs the call itself)."""
+    makes the call keep its own input ([Note: the norm's output, recomputed]); None otherwise (the caller runs the call itself)."""
     found = _norm_input_of(xn)
     if found is None or _keeps_its_input(xn, weight, bias):
         return None

@@ -1,8 +1,7 @@
 """Ulysses' attention with the exchange inside the node: :func:`ulysses_attention`, what ``attention=True`` computes
 a split sequence's attention with (``tiledmlp.attention.layers`` takes the calls of DeepSpeed's Ulysses).
 
-Design note — what a split sequence's attention holds
------------------------------------------------------
+[Note: what a split sequence's attention holds]
 Under Ulysses each rank holds ``s`` of the sequence's ``S = P s`` tokens. Around the attention core an all-to-all
 trades tokens for heads: q, k and v of the rank's tokens and every head become those of every token and ``1/P``
 of the heads, the core runs, and a second all-to-all trades back. DeepSpeed's ``UlyssesSPAttentionHF`` does each
@@ -20,8 +19,7 @@ anyway) and its own output (which the output projection saves: the same tensor),
 backward exchanges a slot's q, k, v, output and output gradient again, runs the kernel's backward, and sends the
 slot's dq, dk and dv back. The saved tensors are 20 KiB a local token (8B shape) instead of one GPU's 28.
 
-Design note — the backward's scratch
-------------------------------------
+[Note: the backward's scratch]
 A slot's backward runs SDPA's kernel on its query heads over all ``S`` tokens: the kernel's float32 dq accumulator
 and its outputs for those heads, ``P`` times what one GPU holds per local token for the same heads. Where even one
 KV head's query heads outgrow the shard policy's scratch budget (``query_heads_per_call``; from about 100K tokens a
@@ -30,8 +28,7 @@ giving that KV head a share of dk and dv, summed in float32 and rounded once —
 sums the expanded heads' gradients. With that, a local token costs what it costs on one GPU: 69.0 KiB at 262,144
 tokens a rank on two H100s against 67.9 on one (the same tiling, ``benchmarks/results/profile_layer_memory_*``).
 
-Design note — where the call is taken
--------------------------------------
+[Note: where a Ulysses call is taken]
 DeepSpeed's ``register_with_transformers`` puts a wrapper in transformers' attention table that calls a
 ``UlyssesSPAttentionHF`` module. ``enable_tiling(model, attention=True)`` asks, at each attention block's first
 training call, for the module the block's attention calls (``tiledmlp.distributed.ulysses_module``: a Trainer
@@ -95,7 +92,7 @@ def _to_heads(y: torch.Tensor, into: torch.Tensor, heads: slice, world: int, gro
 
 class _UlyssesAttention(torch.autograd.Function):
     """Forward and backward per slot of ``kv_per_call`` KV heads, the backward's kernel ``q_per_call`` query heads at
-    a time (design notes); ``kept``/``keep`` as in ``grouped_attention`` (the output of the rank's tokens and the
+    a time ([Note: the backward's scratch]); ``kept``/``keep`` as in ``grouped_attention`` (the output of the rank's tokens and the
     exchanged log-sum-exps)."""
 
     @staticmethod
@@ -142,8 +139,8 @@ class _UlyssesAttention(torch.autograd.Function):
             for i, h in enumerate(range(0, kv_local, step)):
                 kv_heads = slice(h, h + step)
                 ks, vs = (_to_sequence(t, kv_heads, world, ctx.group) for t in (k, v))
-                # the slot's query heads per_call at a time (all of them, or a few of its one KV head's: design note
-                # "the backward's scratch"), dk and dv summed over the calls in float32
+                # the slot's query heads per_call at a time (all of them, or a few of its one KV head's:
+                # [Note: the backward's scratch]), dk and dv summed over the calls in float32
                 summed = None if per_call == step * groups else [torch.zeros_like(ks, dtype=torch.float32)
                                                                  for _ in range(2)]
                 for j in range(h * groups, (h + step) * groups, per_call):
@@ -176,7 +173,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       kernel: str = "FLASH_ATTENTION", kept: Optional[KeptForward] = None,
                       keep: Optional[Callable[[KeptForward], None]] = None) -> torch.Tensor:
     """The attention of a sequence split over the ranks of ``group`` from this rank's part, as DeepSpeed's Ulysses
-    computes it around SDPA (``enable_gqa``, no mask, no dropout), with the exchanges inside (design note).
+    computes it around SDPA (``enable_gqa``, no mask, no dropout), with the exchanges inside ([Note: what a split sequence's attention holds]).
 
     ``q``: ``[batch, heads, s, dim]``, ``k``, ``v``: ``[batch, kv_heads, s, dim]`` of this rank's ``s`` tokens (the
     ranks' parts in rank order make the sequence); ``kv_heads`` divisible by the group's size ``P``, and
@@ -185,7 +182,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     all of a slot's; fewer only with one KV head a slot, dividing its query heads). Returns ``[batch, heads, s, dim]``, laid out as
     ``[batch, s, heads, dim]`` (the output projection's rows: transposing back is free). ``kept``/``keep``: as
     ``grouped_attention``'s. Every rank of ``group`` must call it with the same shapes, in the same order.
-    Memory and communication: the design note."""
+    Memory and communication: [Note: what a split sequence's attention holds]."""
     world = dist.get_world_size(group)
     groups = q.shape[1] // max(k.shape[1], 1)
     q_per_call = q_per_call or kv_per_call * groups

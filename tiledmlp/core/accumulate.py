@@ -1,7 +1,6 @@
 """Summing per-shard parameter gradients: once per parameter per backward, without losing precision.
 
-Design note — how shard gradients are summed
---------------------------------------------
+[Note: how shard gradients are summed]
 A tiled backward produces each weight gradient as one partial per token shard. The untiled GEMM sums
 all tokens in float32 and rounds once; the anchors add bf16 partials into the bf16 ``.grad``, which
 rounds the running sum at every shard (their weight-gradient error reaches 5x the untiled one at 1M
@@ -108,7 +107,7 @@ def _splits_exponent_blocks(start: int, stop: int, cols: int) -> bool:
 
 
 class GradAccumulator:
-    """Sums per-shard parameter gradients, once per parameter per backward (see the design note).
+    """Sums per-shard parameter gradients, once per parameter per backward (see [Note: how shard gradients are summed]).
 
     Accumulators are allocated at a parameter's first contribution (a parameter no shard used keeps
     ``None``) and may be updated block by block: a leading-dim block (``rows``) or a column block

@@ -1,7 +1,6 @@
 """The tiled call as one operator for ``torch.compile``: no graph break, no recompile per layer.
 
-Design note — why an operator pair, and what crosses it
--------------------------------------------------------
+[Note: why an operator pair, and what crosses it]
 Eagerly, a tiled call is a Python loop over shards inside one autograd node (``function.py``), with a
 strategy around it (``distributed/strategies.py``). Dynamo cannot trace that loop usefully (it would
 unroll the shards, specialize on their count and trace the strategies' hooks), and a
@@ -84,7 +83,7 @@ class OperatorImpl(Protocol):
 
 
 def module_key(module: torch.nn.Module, impl: OperatorImpl) -> torch.Tensor:
-    """A new key naming ``module`` to the operators, which run ``impl`` for it (see the design note)."""
+    """A new key naming ``module`` to the operators, which run ``impl`` for it (see [Note: why an operator pair, and what crosses it])."""
     key = torch.empty(0)
     setattr(key, _MODULE_ATTR, module)
     setattr(key, _IMPL_ATTR, impl)

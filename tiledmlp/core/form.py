@@ -29,8 +29,8 @@ class Form(Protocol):
     #: whether the module returns a tuple (else its single output is returned alone)
     returned_tuple: bool
 
-    #: True when ``forward_shard`` also finishes the shard's gradients (design note "gradients finished in
-    #: forward", ``function.py``); such a form has no ``backward_shard``
+    #: True when ``forward_shard`` also finishes the shard's gradients (``function.py``,
+    #: [Note: gradients finished in forward]); such a form has no ``backward_shard``
     grads_in_forward: bool
 
     #: parameters (indices of the tensors handed to the form) whose shard gradients are summed in float32

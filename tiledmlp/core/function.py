@@ -1,7 +1,6 @@
 """The tiled autograd function: one autograd node for the whole MLP, shards inside it.
 
-Design note — why parameters are explicit inputs
-------------------------------------------------
+[Note: why parameters are explicit inputs]
 The anchors (Liger, DeepSpeed, Axolotl, Unsloth) call ``torch.autograd.backward`` once per shard, so
 every parameter's ``AccumulateGrad`` node — and every hook a wrapper put on it (DDP's reducer, FSDP1's
 post-backward) — fires once per shard. Here the parameters are inputs of :class:`TiledMLPFunction`.
@@ -10,8 +9,7 @@ shard's gradients (no ``AccumulateGrad``, no hook, no collective can run on a de
 and returns the sums. Autograd then accumulates each parameter's gradient exactly once per backward, as
 for any other op, so every data-parallel wrapper sees an ordinary node.
 
-Design note — what stays alive
-------------------------------
+[Note: what stays alive]
 Forward saves only the token matrix ``x`` (``[tokens, hidden]``) with ``save_for_backward``, so
 saved-tensor hooks (activation offload, non-reentrant checkpointing) see it. Parameters are held by
 reference on ``ctx`` and are *not* saved: an offload hook would otherwise copy weights to the host, and
@@ -19,8 +17,7 @@ FSDP re-materializes the same unsharded tensors before this node's backward runs
 gradient are written shard by shard into buffers allocated once (no ``torch.cat`` doubling), and every
 shard but the last has the same size, so the caching allocator reuses one set of per-shard temporaries.
 
-Design note — checkpointing without a third forward
----------------------------------------------------
+[Note: checkpointing without a third forward]
 Under activation checkpointing a tiled MLP would run its forward three times: forward, checkpoint's
 recompute, and the per-shard recompute in its own backward. The tiled node therefore saves nothing
 itself: a tiny identity node in front of it (:class:`_InputKeeper`) saves ``x`` and the tiled node
@@ -32,8 +29,7 @@ runs twice, not three times, and a checkpointed tiled layer does less MLP work t
 untiled one (22 vs 24 · tokens · hidden · intermediate FLOP). Reentrant checkpointing has no early
 stop and still runs three forwards.
 
-Design note — gradients finished in forward
--------------------------------------------
+[Note: gradients finished in forward]
 A loss is the last op of a step and its output is summed right away, so every output element gets the
 same upstream gradient ``c`` (1 for ``loss.backward()``). A form with ``grads_in_forward`` (the tiled
 linear cross-entropy) exploits that: each forward shard also computes its input gradient and adds its
@@ -66,7 +62,7 @@ __all__ = ["AutocastReplay", "SHARD_DEPTH", "ShardDepth", "backward_shards", "fo
 class ShardDepth(threading.local):
     """How many forms' shards this thread is computing, one inside another (``depth``; 0: none), so that a tiled
     module called from inside a shard runs untiled. Written only by this module, around each shard; read from outside
-    as a plain attribute (:data:`SHARD_DEPTH`), which a patched module's every call checks without a step into core."""
+    as a plain attribute (:data:`SHARD_DEPTH`), which a patched module's every call checks without a call into core."""
 
     depth: int = 0  # per thread: a class attribute is every new thread's starting value
 
@@ -215,7 +211,7 @@ class TiledMLPFunction(torch.autograd.Function):
         token_inputs, params = tensors[:n], tensors[n:]
         ctx.n = n
         ctx.call = call
-        ctx.params = params  # by reference, deliberately not saved (see the module's design note)
+        ctx.params = params  # by reference, deliberately not saved (see [Note: what stays alive])
         ctx.rng = _RngReplay(x.device) if call.form.stochastic else None
         ctx.autocast = AutocastReplay()
         ctx.keeper = keeper

@@ -2,8 +2,7 @@
 (:class:`CheckpointRegion`). What a computation inside the region produced in the forward may be handed to the
 recompute instead of being computed again (``tiledmlp.attention``: the attention core's output and log-sum-exp).
 
-Design note — why a region object
----------------------------------
+[Note: why a region object]
 A non-reentrant checkpoint calls its function twice: in the forward, and in backward to recompute what the forward
 saved. Code inside the function cannot tell the two calls apart, nor which forward a recompute repeats: the two
 forwards of ``model(a).loss + model(b).loss`` are recomputed in whatever order backward reaches them. The caller of
@@ -25,8 +24,8 @@ from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["CheckpointRegion", "current_region", "outside_regions", "ATTENTION", "KEEPABLE"]
 
-#: the attention core's output and log-sum-exp (``tiledmlp.attention.grouped``, design note "the forward's output
-#: kept")
+#: the attention core's output and log-sum-exp (``tiledmlp.attention.grouped``,
+#: [Note: the forward's output kept for the recompute])
 ATTENTION = "attention"
 #: the kinds of values a region may keep from its forward for its recompute
 KEEPABLE = (ATTENTION,)
@@ -37,7 +36,7 @@ _CURRENT: contextvars.ContextVar[Optional["CheckpointRegion"]] = contextvars.Con
 
 class CheckpointRegion:
     """``function`` as a checkpoint calls it, counting its calls; ``keeps``: the kinds of values the caller allows
-    the forward to put here for the recompute (design note)."""
+    the forward to put here for the recompute ([Note: why a region object])."""
 
     __slots__ = ("function", "keeps", "calls", "_kept")
 

@@ -149,17 +149,18 @@ def _check_positive(name: str, value, kind: type = int) -> None:
         raise ValueError(f"{name} must be >= 1 (or None for the automatic policy), got {value}")
 
 
-def check_budget_mib(name: str, value: object) -> None:
-    """A scratch budget option (``scratch_mib``, ``loss_scratch_mib``): a positive, finite number of MiB, or None
-    for the default (``TypeError``/``ValueError`` naming the option otherwise). Fractions are budgets too:
-    tests cut tiny models into many shards with them."""
+def check_mib(name: str, value: object, *, zero_allowed: bool = False, none_means: str = "the default") -> None:
+    """A memory option in MiB: a finite number above 0 (0 too where ``zero_allowed``: the plan's budgets), or None
+    for ``none_means``; ``TypeError``/``ValueError`` naming the option otherwise. Fractions are budgets too: tests cut
+    tiny models into many shards with them."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number of MiB or None for the default, got "
-                        f"{type(value).__name__} {value!r}")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a positive number of MiB or None for the default, got {value!r}")
+        raise TypeError(f"{name} must be a {'' if zero_allowed else 'positive '}number of MiB (an int or float, such "
+                        f"as 80000 for about 78 GiB) or None for {none_means}, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or not (0 <= value if zero_allowed else 0 < value) or value == math.inf:
+        bound = "a finite number of MiB >= 0" if zero_allowed else "a positive number of MiB"
+        raise ValueError(f"{name} must be {bound}, or None for {none_means}, got {value!r}")
 
 
 def format_mib(nbytes: float) -> str:
@@ -193,7 +194,7 @@ class ShardPolicy:
         _check_positive("num_shards", self.num_shards)
         _check_positive("tile_tokens", self.tile_tokens)
         _check_positive("inter_chunks", self.inter_chunks)
-        check_budget_mib("scratch_mib", self.scratch_mib)
+        check_mib("scratch_mib", self.scratch_mib)
         if self.num_shards is not None and self.tile_tokens is not None:
             raise ValueError("give num_shards or tile_tokens, not both: each fixes the shard size")
 

@@ -1,7 +1,6 @@
 """Grouped KV heads under torch's context parallelism: the heads repeated before the ring.
 
-Design note — why the heads are repeated at the projections
------------------------------------------------------------
+[Note: why the heads are repeated at the projections]
 torch's ``context_parallel`` swaps ``F.scaled_dot_product_attention`` for a ring over the ``cp`` ranks, and its
 ring has no grouped-query path: given ``enable_gqa=True`` (which transformers' SDPA call passes when there is no
 mask — always under context parallelism, whose hooks drop the mask for ``is_causal``) it fails with ``aten.add.Tensor
@@ -54,7 +53,7 @@ def _uses_sdpa(model: nn.Module) -> bool:
 
 
 def check_grouped_kv_under_cp(model: nn.Module, split: Optional[SequenceSplit] = None) -> None:
-    """Refuse grouped KV heads in SDPA attention under torch's context parallelism (design note), naming the fix.
+    """Refuse grouped KV heads in SDPA attention under torch's context parallelism ([Note: why the heads are repeated at the projections]), naming the fix.
     ``split``: the model's, where the caller knows it (default: :func:`split_of`). Costs one scan of the model's
     modules when its sequence is split by context parallelism, nothing otherwise."""
     split = split if split is not None else split_of(model)
@@ -122,7 +121,7 @@ def _why_not_repeatable(module: nn.Module) -> str:
 def repeat_kv_heads(model: nn.Module) -> RepeatedKVHeads:
     """Repeat every grouped KV head of ``model``'s attention at its ``k_proj``/``v_proj`` outputs and set
     ``num_key_value_groups`` to 1, so that transformers' SDPA call never asks for grouped-query attention: what
-    torch's ``context_parallel`` needs for Llama-3/Qwen/Mistral models (design note). Exact (values and gradients
+    torch's ``context_parallel`` needs for Llama-3/Qwen/Mistral models ([Note: why the heads are repeated at the projections]). Exact (values and gradients
     equal the grouped model's); call it before training under context parallelism, with or without tiling.
 
     Memory: each layer's K and V activations ``num_key_value_groups`` times larger, as the eager path makes them; a

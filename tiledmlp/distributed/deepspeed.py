@@ -1,15 +1,13 @@
 """DeepSpeed ZeRO: what a tiled call needs from it, one function per concern.
 
-Design note — ZeRO stages 1 and 2
----------------------------------
+[Note: ZeRO stages 1 and 2]
 The parameters are ordinary full tensors; ZeRO partitions optimizer state (1) and gradients (2). Its
 reduction hook runs when a parameter's gradient is accumulated, and stage 2 reduces right there, so a
 second accumulation in one backward either asserts ("has already been reduced") or, with a bucket flushed
 in between, silently overwrites. The tiled node accumulates each parameter once per backward, so nothing
 more is needed.
 
-Design note — ZeRO stage 3: one gather per tiled call, explicit, in this order
------------------------------------------------------------------------------
+[Note: ZeRO stage 3: one gather per tiled call, explicit, in this order]
 Each parameter is partitioned across ranks (``p.data`` is empty; ``p.ds_tensor`` holds this rank's
 part) and ZeRO's module hooks gather a module's *own* parameters around its forward and backward.
 A tiled module computes without calling its children (fast forms) or calls them once per shard (generic
@@ -229,7 +227,7 @@ def hold(params: Iterable[torch.Tensor]) -> Optional[Callable[[], None]]:
 
 @contextlib.contextmanager
 def gathered_for_backward(params: Sequence[torch.Tensor], module: Optional[nn.Module] = None) -> Iterator[None]:
-    """Backward of a tiled node (design note, steps 2-3): gather ``params``; on exit release the frozen ones
+    """Backward of a tiled node ([Note: ZeRO stage 3: one gather per tiled call, explicit, in this order], steps 2-3): gather ``params``; on exit release the frozen ones
     and leave each trainable one gathered until autograd has accumulated its gradient."""
     need = _gather(params, module)
     try:

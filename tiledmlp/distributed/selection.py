@@ -1,20 +1,19 @@
-"""Which strategy a tiled call gets — the one room that picks, for the patched modules, ``apply_tiled_mlp`` and the
+"""Which strategy a tiled call gets — the one module that picks, for the patched modules, ``apply_tiled_mlp`` and the
 functional loss: the one its wrapping calls for (``auto``: ``detect.py`` reads the wrapping, ``tensor_parallel.py``
 the plan), or a forced name checked against it; composed with tensor parallelism where the module has a
 ``parallelize_module`` plan. A patched module's choice is its :class:`StrategyChoice` (made by
 :meth:`StrategyChoice.planned` when tiling is enabled, kept by its tiling state): the forced strategy and its checks,
 or ``auto``'s cached decision, read with one :class:`WrappingQuery`.
 
-Design note — decided once, checked cheaply
--------------------------------------------
+[Note: a strategy decided once, checked cheaply]
 A module's wrapping changes only when the user wraps it (DDP, FSDP, a DeepSpeed engine, ``parallelize_module``):
 its path of modules, their types, or its parameter tensors change, ZeRO marks its parameters, or DDP's forward is
 running (``DistributedDataParallel._active_ddp_module``, the one global a wrapper sets). :class:`StrategyChoice`
 keeps the last decision with that key — a tuple of identities, types and two flags, read per call — and decides
 again (detect, read the TP plan, pick) only when it differs. Cost per call: the slots' reads and one tuple compare.
-A patched module's call takes the choice and the chosen strategy's step (``Strategy.opened``) together
-(:meth:`StrategyChoice.opened`): one step into ``distributed/`` per call, not one to choose and one to open. Its
-slots are read once where they can be: the key's read is the call's (the form's ``read``, one step into ``forms/``)
+A patched module's call takes the choice and the chosen strategy's step (``Strategy.prepare_call``) together
+(:meth:`StrategyChoice.prepare_call`): one call into ``distributed/`` per call, not one to choose and one to open. Its
+slots are read once where they can be: the key's read is the call's (the form's ``read``, one call into ``forms/``)
 where the last decision's strategy has no forward context to change them (``Strategy.has_forward_context``: plain,
 DDP, FSDP1, tensor parallel over them); under FSDP2 and DeepSpeed the key's read is a plain one and the call reads
 again inside the context, so the form's cache per identity pattern (``forms/spec.py``) sees one pattern per call, the
@@ -122,7 +121,7 @@ def wrapping_of(path: list[nn.Module], query: WrappingQuery) -> tuple[Wrapping, 
 @dataclass(eq=False)
 class StrategyChoice:
     """The strategy of one tiled module: a forced one (checked against the wrapping), or the one ``auto`` picks,
-    decided once per wrapping (design note "decided once, checked cheaply"). Kept by the module's tiling state."""
+    decided once per wrapping ([Note: a strategy decided once, checked cheaply]). Kept by the module's tiling state."""
 
     query: WrappingQuery
     # Weak references to the modules from the root to this one, for run-time detection when tiling was enabled
@@ -180,17 +179,17 @@ class StrategyChoice:
                 self.recheck = False
         return self.forced
 
-    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor,
+    def prepare_call(self, module: nn.Module, module_name: str, x: torch.Tensor,
                read: Callable[[], Reading]) -> ContextManager[Localized]:
-        """The strategy's part of one call of ``module`` (``Strategy.opened``), with ``auto``'s choice in the same
+        """The strategy's part of one call of ``module`` (``Strategy.prepare_call``), with ``auto``'s choice in the same
         step: a patched module's whole strategy step, taken once per call, its slots read once where they can be
-        (design note)."""
+        ([Note: a strategy decided once, checked cheaply])."""
         if self.forced is not None:
-            return self.strategy(module).opened(module, module_name, x, read)
+            return self.strategy(module).prepare_call(module, module_name, x, read)
         last = self._last
         reading = read() if last is not None and not last.has_forward_context else None
         tensors = read_slots(self.query.slots) if reading is None else [reading.tensors[i] for i in reading.index]
-        return self._choose(self.path_to(module), tensors).opened(module, module_name, x, read, reading)
+        return self._choose(self.path_to(module), tensors).prepare_call(module, module_name, x, read, reading)
 
     def _choose(self, path: list[nn.Module], tensors: Optional[Sequence[torch.Tensor]] = None) -> Strategy:
         """``auto``'s strategy for the module as wrapped now: the last decision while its key holds. ``tensors``: what

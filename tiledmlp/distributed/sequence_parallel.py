@@ -1,7 +1,6 @@
 """One sequence split across ranks: DeepSpeed's Ulysses and torch's context parallelism, seen from tiling.
 
-Design note — what a split sequence changes for tiling
-------------------------------------------------------
+[Note: what a split sequence changes for tiling]
 Under sequence parallelism (Ulysses: an all-to-all around the model's attention core; torch's ring
 ``context_parallel``: the attention core exchanges keys and values) every other op of a decoder layer — the
 MLP, the norms, the LM head and its loss — is per token and sees this rank's part of the sequence. Tiling
@@ -103,7 +102,7 @@ def _cp_of(mesh: Any) -> int:
 
 
 def split_of(model: nn.Module) -> Optional[SequenceSplit]:
-    """How ``model``'s sequence is split across ranks (see the design note), or None."""
+    """How ``model``'s sequence is split across ranks (see [Note: what a split sequence changes for tiling]), or None."""
     group = _ulysses_group()
     if group is not None and any(_ulysses_attention(m) for m in model.modules() if hasattr(m, "config")):
         size = dist.get_world_size(group)

@@ -68,7 +68,8 @@ class Strategy:
     wrapping: ClassVar[Wrapping] = Wrapping.NONE
     #: Whether the strategy has a :meth:`forward_context` (FSDP2's unshard, a ZeRO-3 gather: each changes the
     #: parameter slots' tensors, which ones they hold or what those hold), which a call enters before it reads them and
-    #: leaves after its shards. One without changes nothing the slots hold and has nothing to leave (:meth:`opened`).
+    #: leaves after its shards. One without changes nothing the slots hold and has nothing to leave
+    #: (:meth:`prepare_call`).
     has_forward_context: ClassVar[bool] = False
 
     def __init__(self, units: Sequence[nn.Module] = (), tp_mesh: Any = None) -> None:
@@ -87,16 +88,16 @@ class Strategy:
         """Wraps reading the parameters and running the forward shards."""
         yield
 
-    def opened(self, module: nn.Module, module_name: str, x: torch.Tensor, read: Callable[[], Reading],
+    def prepare_call(self, module: nn.Module, module_name: str, x: torch.Tensor, read: Callable[[], Reading],
                reading: Optional[Reading] = None) -> ContextManager[Localized]:
         """The strategy's part of one tiled call of ``module``, in one step: its forward context around the block (an
         FSDP2 unshard, a ZeRO-3 gather), and inside it the parameter tensors as the wrapper holds them then
         (``read``: the form's, ``tiledmlp.forms.spec.FormSpec.read``), checked and made local (:meth:`local_call`).
 
         A strategy without a forward context (:attr:`has_forward_context`) takes ``reading``, the caller's ``read()``
-        just before this step, where it has one (``StrategyChoice.opened``'s, for its key), and has nothing to leave:
-        its local tensors come in a context that does nothing, so the call steps back into this package neither to
-        read nor to exit."""
+        just before this step, where it has one (``StrategyChoice.prepare_call``'s, for its key), and has nothing to
+        leave: its local tensors come in a context that does nothing, so the call comes back into this package
+        neither to read nor to exit."""
         if not self.has_forward_context:
             local = self.local_call(module_name, x, read() if reading is None else reading, module)
             return contextlib.nullcontext(local)
@@ -284,7 +285,7 @@ class DeepSpeedStrategy(Strategy):
     per backward. Under stage 3 each call gathers the tiled module's partitioned parameters in one
     coalesced all-gather before they are read and partitions them once the node is built; backward
     gathers them again for the recompute and releases each as soon as autograd has accumulated its
-    gradient (``deepspeed.py``, design note). ZeRO's fetch hooks on the module's children are hidden
+    gradient (``deepspeed.py``, [Note: ZeRO stage 3: one gather per tiled call, explicit, in this order]). ZeRO's fetch hooks on the module's children are hidden
     while shards run, so the generic form's per-shard calls neither gather nor enter ZeRO's trace.
     """
 

@@ -1,7 +1,6 @@
 """Tensor parallelism: read a ``parallelize_module`` plan off an MLP, and run its tiles on local shards.
 
-Design note — where the collectives happen, and why tiles never communicate
----------------------------------------------------------------------------
+[Note: where the collectives happen, and why tiles never communicate]
 A tensor-parallel MLP (``ColwiseParallel`` gate/up, ``RowwiseParallel`` down) is, on each rank, an
 ordinary MLP over local weight shards whose output is a partial sum. Untiled, DTensor issues the
 collectives at two boundaries only: where the input is made replicated (nothing, or an all-gather
@@ -23,8 +22,7 @@ gate and up projections each all-reduce their input gradient (two all-reduces wi
 parallelism); tiled, they are summed first (one). No shard ever communicates, so the shard count is
 free to differ from rank to rank of the data-parallel dimension.
 
-Design note — reading the plan
-------------------------------
+[Note: reading the plan]
 ``parallelize_module`` records nothing but forward hooks (``distribute_module``): a lambda over a
 ``functools.partial`` of the style's static ``_prepare_input_fn``/``_prepare_output_fn`` with its
 layouts, and the mesh. :func:`read_style` recognizes exactly those partials (by function identity
@@ -219,7 +217,7 @@ class Localized:
 
 def localize(plan: TPPlan, name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
              layout: MLPLayout) -> Localized:
-    """Local input, local parameter shards and a layout without the down bias, for one call (design note)."""
+    """Local input, local parameter shards and a layout without the down bias, for one call ([Note: where the collectives happen, and why tiles never communicate])."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     for p in params:

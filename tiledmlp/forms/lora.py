@@ -1,7 +1,6 @@
 """LoRA adapters in the fast forms: ``y = x @ W.T + b + s * (x @ A.T) @ B.T``.
 
-Design note — what a LoRA-wrapped projection computes, and when the fast form may compute it
--------------------------------------------------------------------------------------------
+[Note: what a LoRA-wrapped projection computes, and when the fast form may compute it]
 A peft LoRA linear (``peft.tuners.lora.layer.Linear``) in its plain state — one active adapter, not
 merged, adapters enabled, no adapter dropout, no variant (DoRA, ...), no bias on ``B`` — computes
 ``base(x) + B(A(x.to(A.dtype))) * scaling``, cast back to the base output's dtype. The fast forms

@@ -1,7 +1,6 @@
 """The MoE form: a MoE layer's experts computed from their 3-D weights, routed once, tiled over tokens.
 
-Design note — what is tiled
----------------------------
+[Note: what is tiled]
 A MoE block is ``router -> experts(hidden, top_k_index, top_k_weights)`` (plus, in some families, a
 shared dense expert). Only the experts call is tiled: the block's own forward runs as untiled, so the
 router runs once, outside any recompute, and its top-k decision cannot flip between forward and
@@ -121,7 +120,7 @@ class _Routed:
 
 
 class MoEForm:
-    """Fast form for an :class:`ExpertsLayout` (see the module's design note).
+    """Fast form for an :class:`ExpertsLayout` (see [Note: what is tiled]).
 
     Token inputs (``side``): the routing indices ``[rows, k]`` and weights ``[rows, k]``. ``gate_fn`` is the
     module's gate function (``_apply_gate``, or the activation of ungated experts) for a layout without a

@@ -1,7 +1,6 @@
 """Quantized base weights (bitsandbytes 4-bit, QLoRA) in the fast forms.
 
-Design note — what a 4-bit projection computes, and how the fast form computes it
----------------------------------------------------------------------------------
+[Note: what a 4-bit projection computes, and how the fast form computes it]
 A bitsandbytes ``Linear4bit`` (nf4 or fp4, with or without double quantization, with a LoRA adapter on
 it or not) computes ``F.linear(x.to(c), dequantize(W).to(c), b.to(c)).to(x.dtype)``, ``c`` its
 ``compute_dtype`` (autocast's dtype under autocast): bitsandbytes dequantizes the weight into ``c`` and
@@ -135,7 +134,7 @@ def dequantized(params: Sequence[torch.Tensor], quantized: dict[int, Any], dtype
 
 
 class QuantizedMLPForm(MLPForm):
-    """The fast form of an MLP with 4-bit projections (see the design note): ``quantized`` maps the index of
+    """The fast form of an MLP with 4-bit projections (see [Note: what a 4-bit projection computes, and how the fast form computes it]): ``quantized`` maps the index of
     each 4-bit weight among the call's tensors to its quantization state; ``compute_dtype`` is ``c``."""
 
     def __init__(self, layout: MLPLayout, inter_chunks: int, quantized: dict[int, Any],

@@ -4,11 +4,10 @@
 * :meth:`FormSpec.read`: the slots' tensors (each once) and the fast form's layout over them, read inside the
   strategy's forward context where it changes them (so a wrapper's current tensors are used);
 * :meth:`FormSpec.tile_call`: the form over the strategy's local tensors and its cut (tokens per shard,
-  ``tiledmlp.core.sharding``), as the :class:`~tiledmlp.core.form.TileCall` the tiled function runs: one step into
+  ``tiledmlp.core.sharding``), as the :class:`~tiledmlp.core.form.TileCall` the tiled function runs: one call into
   core per call, the tile call's (the cut is remembered, below).
 
-Design note — decided once, checked cheaply
--------------------------------------------
+[Note: a form decided once, checked cheaply]
 Which slots hold the same tensor (tied weights) decides a call's index map (``dedupe``) and the fast layout over the
 unique tensors (``remap``). Both depend on nothing but the pattern of the slots' tensors' identities, so
 :class:`FormSpec` keeps them with the tuple of the tensors' ``id`` they were made for (:class:`_Pattern`) and makes
@@ -23,7 +22,7 @@ The cut is decided the same way: it depends on nothing but the call's sizes (tok
 whether the MLP is gated) and the spec's policy, fixed when it is made, so :meth:`FormSpec.tile_call` keeps the last
 cut with the sizes it was made from (:meth:`FormSpec._cut`) and asks core's ``ShardPolicy`` again only when a call's
 sizes differ (a new sequence length, autocast switched on or off, a weight of another width): a repeated call takes
-one step into core, for its :class:`~tiledmlp.core.form.TileCall`, not one more for its cut.
+one call into core, for its :class:`~tiledmlp.core.form.TileCall`, not one more for its cut.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ class Reading:
 
 @dataclass(frozen=True)
 class _Pattern:
-    """What one identity pattern of the slots' tensors decides (design note), kept with the ``ids`` it was made for."""
+    """What one identity pattern of the slots' tensors decides ([Note: a form decided once, checked cheaply]), kept with the ``ids`` it was made for."""
 
     ids: tuple[int, ...]
     firsts: tuple[int, ...]  # per unique tensor, the first slot holding it
@@ -153,7 +152,7 @@ class FormSpec:
 
     def _cut(self, how: Callable[..., _Cut], *sizes: Any) -> _Cut:
         """``how(*sizes)``: the call's cut, made again only where it is not the last call's cut of the same sizes
-        (module docstring's design note)."""
+        ([Note: a form decided once, checked cheaply])."""
         key = (how.__qualname__, sizes)  # by name: the spec keeps no method of itself (no reference cycle)
         last = self._last_cut
         if last is None or last[0] != key:

@@ -65,10 +65,10 @@ class TiledMLPPlugin(BasePlugin):
         options = tiling_options(cfg)
         log.info("%s: enable_tiling(%s) when training begins", type(self).__name__,
                  ", ".join(f"{k}={v!r}" for k, v in options.items()))
-        return [_SaidTilingCallback(**options)]
+        return [_ReportingTilingCallback(**options)]
 
 
-class _SaidTilingCallback(TilingCallback):
+class _ReportingTilingCallback(TilingCallback):
     """``TilingCallback``, saying what it tiled where Axolotl prints it."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

@@ -7,8 +7,7 @@ the same accumulators, so every strategy (plain, DDP, FSDP1, FSDP2, ``no_sync``)
 The node's output is the per-token loss (float32, ``weight * loss_t``; 0 for ignored labels), which
 the caller sums (``mean``/``sum``) or returns (``none``).
 
-Design note — why the head gradient is summed in float32
--------------------------------------------------------
+[Note: why the head gradient is summed in float32]
 A loss call has many shards (32 at 32K tokens for a 128K vocabulary under the default budget) and its
 per-shard head-gradient partials cancel heavily (``p - onehot``). Block-scaled float16 sums of bf16
 partials, which the MLPs use, measured 1.20x (8K) and 1.46x (32K) the untiled gradient error on an
@@ -17,8 +16,7 @@ instead of a separate pass): 46.9 vs 53.3 ms at 8K, 184.0 vs 202.8 ms at 32K (``
 2-byte sums need a GEMM that adds its float32 result into them in its own epilogue; written in Triton
 it measured slower than cuBLAS with float32 C (``docs/loss.md``), so it was not built.
 
-Design note — two ways to cut the work (``sharding.loss_tile``)
-----------------------------------------------------------------
+[Note: two ways to cut the work (``sharding.loss_tile``)]
 *Fused* (default when it fits): a shard of tokens computes the logits of the whole vocabulary in one
 ``[rows, vocab]`` buffer, its softmax statistics, and — while the logits are in hand — their gradient
 (written over them), the shard's input gradient (``dlogits @ W``, straight into its rows) and its
@@ -55,7 +53,7 @@ from ..core.accumulate import GradAccumulator, addmm_, block_scaled, check_accum
 from ..core.form import TileCall
 from ..core.function import run_tiled
 from ..core.logs import warn_once
-from ..core.sharding import (LOSS_MODES, MIN_FUSED_ROWS, check_budget_mib, chunk_bounds, format_mib,
+from ..core.sharding import (LOSS_MODES, MIN_FUSED_ROWS, check_mib, chunk_bounds, format_mib,
                              fused_loss_budget_bytes, loss_budget_bytes, loss_tile)
 from ..distributed.deepspeed import gathered
 from ..distributed.detect import is_dtensor
@@ -92,7 +90,7 @@ class CrossEntropySpec:
             raise ValueError(f"label_smoothing must be a number in [0, 1], got {self.label_smoothing!r}")
         if not (isinstance(self.z_loss, (int, float)) and self.z_loss >= 0.0):
             raise ValueError(f"z_loss must be a number >= 0 (the weight of lse**2), got {self.z_loss!r}")
-        check_budget_mib("scratch_mib", self.scratch_mib)
+        check_mib("scratch_mib", self.scratch_mib)
         if self.mode not in LOSS_MODES:
             raise ValueError(f"unknown loss mode {self.mode!r}; choose one of {list(LOSS_MODES)}")
         if self.mode == "fused" and self.reduction == "none":
@@ -109,7 +107,7 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class LinearCrossEntropyForm:
-    """Form of the tiled function for ``loss_t = CE(f(x_t @ W.T + b), label_t)`` (see the design note).
+    """Form of the tiled function for ``loss_t = CE(f(x_t @ W.T + b), label_t)`` (see [Note: two ways to cut the work (``sharding.loss_tile``)]).
 
     Side inputs (cut with the tokens): the labels, and in recompute mode each token's logsumexp, which
     forward writes and backward reads. The output rows are ``coef * loss_t`` (float32; float64 for

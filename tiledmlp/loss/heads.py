@@ -351,7 +351,7 @@ class TiledCausalLMLoss:
         finally:
             if owner.calls:
                 owner.calls[-1].release_head()
-        if loss.grad_fn is not None:  # lazy_logits' design note "the hidden states after the loss's backward"
+        if loss.grad_fn is not None:  # lazy_logits' [Note: the hidden states after the loss's backward]
             loss.grad_fn.register_prehook(_ReleaseHidden(logits))
         return loss
 

@@ -15,14 +15,14 @@ the result is cached. Gradients through materialized logits flow to the hidden s
 parameters through this tensor's own autograd node, as for an ``nn.Linear`` output. So a placeholder
 is never a silently wrong tensor: it is the right tensor, late — or, once the head's parameters changed
 since the forward (an optimizer step, through ``.data`` too), a ``ValueError`` saying to read the logits
-before updating the model (design note below).
+before updating the model ([Note: a head changed before its logits are read]).
 
 Costs: creating one is a few microseconds and one fingerprint of the head's parameters (a read of the
-weight); it keeps a reference to the hidden states until the loss's backward begins (design note below).
+weight); it keeps a reference to the hidden states until the loss's backward begins ([Note: the hidden states after the loss's
+backward]).
 Materializing costs what the untiled head costs.
 
-Design note — the hidden states after the loss's backward
----------------------------------------------------------
+[Note: the hidden states after the loss's backward]
 The common loop keeps the model's output through backward (``outputs = model(**batch); outputs.loss.backward()``,
 accelerate's examples), and with it this placeholder: had it kept the hidden states, they (``tokens x hidden``, 8 KiB
 a token for Llama-3.1-8B in bf16) would live through every layer's backward, after the loss's own backward no longer
@@ -32,8 +32,7 @@ when the loss's backward begins (a pre-hook on the loss's node; the loss's own s
 needs until it has run): both loops then hold the same, the plan's. Reading the logits after that raises a
 ``ValueError`` saying to read them before ``loss.backward()``; before it, they are computed as always.
 
-Design note — a head changed before its logits are read
--------------------------------------------------------
+[Note: a head changed before its logits are read]
 An optimizer that writes through ``.data`` (bitsandbytes' 8-bit Adam, DeepSpeed's ZeRO copying its updated
 partitions back, ``torch.nn.utils.vector_to_parameters``, which replaces ``.data``) bumps no version counter, so
 versions cannot say whether the head changed (they did not: logits read after such a step were the new weights',
@@ -81,8 +80,8 @@ class LogitsRecipe:
     read then. Materializing raises a ``ValueError`` when they cannot be used any more: storage freed
     (an FSDP unit resharded the head) or their values changed since (an optimizer step) — the untiled
     logits were computed before either. ``on_materialize`` is told the op that forced it (the tiled
-    loss refuses logits that the model materialized before its loss). The module's design note says how a
-    change is seen."""
+    loss refuses logits that the model materialized before its loss). [Note: a head changed before its logits are read] says how
+    a change is seen."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  on_materialize: Callable[[str], None] = lambda op: None) -> None:
@@ -95,7 +94,7 @@ class LogitsRecipe:
         return [t for t in (self.hidden, self.weight, self.bias) if t is not None]
 
     def _marks_now(self) -> list[Any]:
-        """What stands for each tensor's values (design note): the hidden states' version, the parameters'
+        """What stands for each tensor's values ([Note: a head changed before its logits are read]): the hidden states' version, the parameters'
         fingerprints (a ZeRO-3 parameter's: its partition's, which is what its optimizer step overwrites)."""
         hidden = self.hidden
         marks: list[Any] = [fingerprint(hidden) if hidden.is_inference() else hidden._version]
@@ -118,8 +117,8 @@ class LogitsRecipe:
             return self.compute(self.hidden, self.weight, self.bias)
 
     def release(self) -> None:
-        """The loss's backward has begun: the hidden states are no longer the placeholder's to keep (design note
-        "the hidden states after the loss's backward")."""
+        """The loss's backward has begun: the hidden states are no longer the placeholder's to keep 
+        ([Note: the hidden states after the loss's backward])."""
         self.hidden = None
 
     def check(self) -> None:

@@ -1,7 +1,6 @@
 """Checkpointed layer inputs recomputed from the previous layer's (``placement "recompute"``).
 
-Design note — a recompute chain
--------------------------------
+[Note: a recompute chain]
 With non-reentrant checkpointing a layer keeps only its input (``tokens x hidden``) from its forward to its
 backward. Where neither the device nor the host has room for that input, it need not be kept at all: in a stack,
 layer ``i``'s input is what layer ``i - 1`` returned, and layer ``i - 1``'s own input is kept (on the device or the
@@ -62,7 +61,7 @@ def _strong(ref: Callable[[], Any], what: str) -> Any:
 
 @dataclass
 class LayerCall:
-    """What one checkpointed layer was called with in forward, held weakly (see the design note), and how to make
+    """What one checkpointed layer was called with in forward, held weakly (see [Note: a recompute chain]), and how to make
     its input present on the device again (``present``: nothing, a copy back from the host, or a rebuild)."""
 
     function: Callable[[], Any]

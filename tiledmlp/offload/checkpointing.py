@@ -1,4 +1,4 @@
-"""The entry points of host offload (``host.py`` has the mechanics and their design notes): a drop-in
+"""The entry points of host offload (``host.py`` has the mechanics and their notes): a drop-in
 :func:`checkpoint` for custom models, and Hugging Face's per-layer checkpoint function replaced on the layers of
 ``enable_tiling(model, offload="cpu")`` (:func:`install_offload`, undone by :func:`uninstall_offload`). One
 :class:`~tiledmlp.offload.host.HostOffload` per device serves every model of the process.
@@ -14,6 +14,7 @@ import torch
 
 from ..core.compat import checkpointing_call, checkpointing_method
 from ..core.logs import counted, warn_once
+from ..core.places import Place
 from ..core.regions import KEEPABLE, CheckpointRegion
 from .chain import LayerCall, recompute_run, rng_state
 from .host import HostOffload
@@ -87,29 +88,29 @@ def checkpoint(function: Callable[..., Any], *args: Any, offload: Optional[str] 
     return offloader_for(device).run(ckpt, function, *args, **kwargs)
 
 
-PLACES = ("gpu", "host", "recompute")
+PLACES = tuple(Place)  # in order: kept on the device, on the host, recomputed
 SMALL = "small"  # a layer input under the offloader's threshold (host.MIN_BYTES): left where it is
 
 
 class LayerPlacement:
     """Where the checkpointed layers of one model keep their inputs between forward and backward, one of
-    :data:`PLACES` per layer in forward order: ``"gpu"`` (kept, as plain checkpointing), ``"host"`` (``host.py``)
-    or ``"recompute"`` (``chain.py``); and what each layer's forward keeps for its recompute (kinds of
-    ``tiledmlp.core.regions.KEEPABLE``, run in a ``CheckpointRegion``). ``decide(nbytes)`` chooses both, ``(places, keeps)``, for a
-    step whose layer input is ``nbytes``, at the step's first layer (None, ``offload="cpu"``: every layer on the
-    host, nothing kept; ``offload="auto"``: the memory plan, which keeps its decisions). Executes a placement; never
-    decides one."""
+    :data:`PLACES` per layer in forward order (``tiledmlp.core.places.Place``: kept on the device as plain
+    checkpointing keeps it, on the host with ``host.py``, or recomputed with ``chain.py``); and what each layer's
+    forward keeps for its recompute (kinds of ``tiledmlp.core.regions.KEEPABLE``, run in a ``CheckpointRegion``).
+    ``decide(nbytes)`` chooses both, ``(places, keeps)``, for a step whose layer input is ``nbytes``, at the step's
+    first layer (None, ``offload="cpu"``: every layer on the host, nothing kept; ``offload="auto"``: the memory plan,
+    which keeps its decisions). Executes a placement; never decides one."""
 
     def __init__(self, layers: int,
                  decide: Optional[Callable[[int], tuple[Sequence[str], Sequence[frozenset[str]]]]] = None) -> None:
         self.layers, self.decide = layers, decide
-        self.places: tuple[str, ...] = ("host",) * layers
+        self.places: tuple[str, ...] = (Place.HOST,) * layers
         self.keeps: tuple[frozenset[str], ...] = (frozenset(),) * layers
         self.previous: Optional[LayerCall] = None  # the step's last layer call (for a chain); never pickled
         self.moved: dict[int, str] = {}  # layer index -> why it is offloaded instead of recomputed
         # calls per place, the inputs a chain freed and rebuilt, the calls that kept something for their recompute
         # (tests, describe)
-        self.stats = {"gpu": 0, "host": 0, "recompute": 0, "freed": 0, "rebuilt": 0, "kept": 0}
+        self.stats = {**dict.fromkeys(PLACES, 0), "freed": 0, "rebuilt": 0, "kept": 0}
         # layer index -> where its input waited in the layer's last call needing a gradient, on any device: one of
         # PLACES, or SMALL (too small to move: left where it was, as plain checkpointing keeps it) (describe)
         self.last: dict[int, str] = {}
@@ -123,13 +124,13 @@ class LayerPlacement:
             if self.decide is not None:
                 places, keeps = self.decide(nbytes)
                 places, keeps = tuple(places), tuple(frozenset(k) for k in keeps)
-                if (len(places) != self.layers or set(places) - set(PLACES) or places[:1] == ("recompute",)
+                if (len(places) != self.layers or set(places) - set(PLACES) or places[:1] == (Place.RECOMPUTE,)
                         or len(keeps) != self.layers or set().union(*keeps) - set(KEEPABLE)):
                     raise ValueError(f"a placement gives each of the {self.layers} checkpointed layers one of "
                                      f"{PLACES}, the first not 'recompute' (nothing below it to recompute from), and "
                                      f"what it keeps for its recompute (of {KEEPABLE}); got {places}, {keeps}")
                 self.places, self.keeps = places, keeps
-        return self.places[index] if index < len(self.places) else "host"
+        return self.places[index] if index < len(self.places) else Place.HOST
 
     def keeps_of(self, index: int) -> frozenset[str]:
         return self.keeps[index] if index < len(self.keeps) else frozenset()
@@ -141,13 +142,13 @@ class LayerPlacement:
 
     @property
     def chains(self) -> bool:
-        return "recompute" in self.places
+        return Place.RECOMPUTE in self.places
 
     @property
     def on_host(self) -> int:
         """Layers of this step whose input goes to the host: what the offloader pins buffers for (a layer kept on
         the device or recomputed needs none)."""
-        return sum(place == "host" or i in self.moved for i, place in enumerate(self.places))
+        return sum(place == Place.HOST or i in self.moved for i, place in enumerate(self.places))
 
 
 class OffloadingCheckpointFunc:
@@ -178,8 +179,9 @@ class OffloadingCheckpointFunc:
             return self.original(function, *args, **kwargs)
         place = placement.place(self.index, sum(args[i].numel() * args[i].element_size() for i in positions))
         previous = placement.previous
-        if place == "recompute" and (previous is None or len(positions) != 1 or not previous.feeds(args[positions[0]])):
-            place = "host"
+        if place == Place.RECOMPUTE and (previous is None or len(positions) != 1
+                                         or not previous.feeds(args[positions[0]])):
+            place = Place.HOST
             if self.index not in placement.moved:
                 placement.moved[self.index] = ("its input is not the previous checkpointed layer's output (the model "
                                                "changes the hidden states between layers)")
@@ -193,9 +195,9 @@ class OffloadingCheckpointFunc:
         placement.stats["kept"] += bool(keeps)
         # the checkpoint holds the region from the forward to the recompute (what it keeps lives as long)
         run = CheckpointRegion(function, keeps) if keeps else function
-        if place == "gpu":
+        if place == Place.GPU:
             out, given = self.original(run, *args, **kwargs), args
-        elif place == "host":
+        elif place == Place.HOST:
             offloader.expect(placement.on_host)
             out, given, region = offloader.run_region(self.original, run, *args, **kwargs)
             present = region.present if region is not None else _nothing

@@ -1,7 +1,6 @@
 """Checkpointed activations offloaded to host memory, exact and overlapped with compute.
 
-Design note — what is offloaded
--------------------------------
+[Note: what is offloaded]
 With non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
 Hugging Face's ``gradient_checkpointing_enable``), a checkpointed region saves nothing of its own: its
 recompute closure keeps the region's *inputs* alive on the GPU, from its forward to its recompute in
@@ -27,8 +26,7 @@ pinned host memory instead:
 3. a host buffer returns to the pool as soon as its copy back is queued (later copies on the same side
    stream are ordered after it); buffers are kept, by size, across steps — nothing is pinned per step.
 
-Design note — pinning the host buffers
---------------------------------------
+[Note: pinning the host buffers]
 The first step pins a whole step's layer inputs (8B model at 128K tokens: 32 buffers of 1 GiB). Pinning
 with ``torch.empty(..., pin_memory=True)`` (``cudaHostAlloc``) took 0.40 s per GiB on an H200 host, on the
 step's critical path: 13.2 s of the first step, of which 5.5 s showed as a slower step. The buffers are
@@ -63,13 +61,12 @@ import torch
 from torch.profiler import record_function
 
 from ..core.logs import warn_once
-from .host_memory import available_host_bytes
+from .host_memory import HOST_MARGIN, available_host_bytes
 from .storage import fresh_alias, tensors_in
 
 __all__ = ["HostOffload", "MIN_BYTES"]
 
 MIN_BYTES = 1 << 20  # arguments smaller than this stay on the device
-_HOST_MARGIN = 2 << 30  # host memory left free for everything else
 
 
 @dataclass
@@ -167,7 +164,7 @@ def _release(owner: "HostOffload", hosts: list[torch.Tensor], released: list) ->
 
 
 class HostOffload:
-    """Offloads the inputs of checkpointed regions on ``device`` to host memory (see the design note).
+    """Offloads the inputs of checkpointed regions on ``device`` to host memory (see [Note: what is offloaded]).
 
     One instance per device serves every checkpointed call on it; ``stats`` counts regions, bytes and
     host buffers allocated (for tests and ``describe``)."""
@@ -207,7 +204,7 @@ class HostOffload:
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes``: from the pool, else the next one pinned ahead, else (on a GPU) the step's
-        buffers of this size pinned on a worker thread, the first waited for (see the design note)."""
+        buffers of this size pinned on a worker thread, the first waited for (see [Note: pinning the host buffers])."""
         free = self._free.get(nbytes)
         if free:
             return free.pop()
@@ -246,7 +243,7 @@ class HostOffload:
             return
         regions = max(self.expected_regions - self.stats["host_buffers"], 1)
         need = nbytes * regions
-        if need + _HOST_MARGIN > available:
+        if need + HOST_MARGIN > available:
             raise MemoryError(
                 f"offload='cpu' needs about {need / 2**30:.1f} GiB more host memory for this step's checkpointed "
                 f"activations ({regions} regions of {nbytes / 2**30:.2f} GiB), but {available / 2**30:.1f} GiB is "

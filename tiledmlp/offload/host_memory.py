@@ -1,6 +1,7 @@
 """How much host memory this process may still take: what the system has available, capped by the memory control
 groups the process runs in (SLURM, Kubernetes and containers set them; ``/proc/meminfo`` does not show them). Read by
-the offload's host-memory check before it pins buffers (``host.py``).
+the offload's host-memory check before it pins buffers (``host.py``) and by the plan's budgets
+(``tiledmlp.plan.budgets``), both leaving :data:`HOST_MARGIN` free.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["available_host_bytes", "cgroup_free_bytes"]
+__all__ = ["available_host_bytes", "cgroup_free_bytes", "HOST_MARGIN"]
+
+HOST_MARGIN = 2 << 30  # host memory left free for everything else
 
 
 def available_host_bytes() -> Optional[int]:

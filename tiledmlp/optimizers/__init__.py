@@ -5,7 +5,7 @@ torch's or bitsandbytes' on the device, stepped in backward, or torchao's ``CPUO
 
 It places; ``tiledmlp.plan`` decides where (within the same budgets as the checkpointed layers' inputs). No
 optimizer of its own: torch's hooks, torchao, and the engines' offload (DeepSpeed, FSDP2) do the work. Imports
-nothing else of tiledmlp.
+nothing else of tiledmlp but the placements' names (``tiledmlp.core.places``).
 """
 
 from .build import build_optimizer

@@ -1,8 +1,7 @@
 """An optimizer's step fused into backward: each parameter stepped, and its gradient freed, as soon as its gradient
 is complete, so that the gradients of a model never all exist at once.
 
-Design note — stepping one parameter of an existing optimizer
--------------------------------------------------------------
+[Note: stepping one parameter of an existing optimizer]
 Autograd runs a leaf's ``AccumulateGrad`` once per backward, however many times the leaf was used (tied embeddings
 included: the uses' gradients are summed into its input first), and then its post-accumulate-grad hooks
 (``Tensor.register_post_accumulate_grad_hook``, as torchtune's ``optimizer_in_bwd`` and PyTorch's tutorial "How to
@@ -48,7 +47,7 @@ _INSTALLED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[StepIn
 
 class GradientAccumulationError(RuntimeError):
     """A parameter's gradient completed twice between two ``optimizer.step()`` calls of an optimizer stepped in
-    backward (design note)."""
+    backward ([Note: stepping one parameter of an existing optimizer])."""
 
 
 def is_stepped_in_backward(optimizer: Any) -> bool:
@@ -122,7 +121,7 @@ def _remove(handles: list[Any]) -> None:
 
 def step_in_backward(optimizer: torch.optim.Optimizer) -> StepInBackward:
     """Step each parameter of ``optimizer`` inside backward, as soon as its gradient is complete, and free that
-    gradient (design note): the gradients of the model never all exist. Bit-identical to stepping after backward.
+    gradient ([Note: stepping one parameter of an existing optimizer]): the gradients of the model never all exist. Bit-identical to stepping after backward.
     ``optimizer``: any torch optimizer that skips parameters without a gradient (torch's, bitsandbytes'), or the
     one inside accelerate's ``AcceleratedOptimizer``. Refused for a host-placed optimizer (its step is on the CPU),
     under data parallelism, and twice on one optimizer. Memory: the states as before; at most the gradients of the

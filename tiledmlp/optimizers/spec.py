@@ -1,8 +1,7 @@
 """What an optimizer costs in memory, per parameter, by what it is and where it lives: the rules the memory plan sums
 over a model's parameters (``tiledmlp.plan``), and the names ``plan_memory``, ``enable_tiling`` and the Trainer use.
 
-Design note — what an optimizer holds, and when
-------------------------------------------------
+[Note: what an optimizer holds, and when]
 Three things, each with its own lifetime in a step:
 
 * **states**, from the first ``step()`` on, for good: torch's AdamW two tensors per parameter in the parameter's dtype
@@ -38,10 +37,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..core.places import OptimizerPlacement
+
 __all__ = ["GPU", "BACKWARD", "HOST", "PLACEMENTS", "NAMES", "OptimizerSpec", "spec_of", "spec_named",
            "TORCHAO_MINIMAL_SIZE", "BNB_MIN_8BIT_SIZE"]
 
-GPU, BACKWARD, HOST = "gpu", "backward", "host"
+GPU, BACKWARD, HOST = OptimizerPlacement.GPU, OptimizerPlacement.BACKWARD, OptimizerPlacement.HOST
 PLACEMENTS = (GPU, BACKWARD, HOST)  # fastest first
 #: torchao's CPUOffloadOptimizer keeps parameters under this many elements (and their states) on the device
 TORCHAO_MINIMAL_SIZE = 4096
@@ -65,7 +66,7 @@ _WHERE = {GPU: "states on the device", BACKWARD: "stepped in backward, states on
 class OptimizerSpec:
     """An optimizer as the memory plan sees it: its algorithm (``"adamw"``, ``"adamw8bit"``, ``"sgd"``, ``"other"``),
     implementation (``"fused"``, ``"foreach"``, ``"for-loop"``, ``"8-bit"``, ``"paged 8-bit"``, an engine's name) and
-    placement (``"gpu"``, ``"backward"``, ``"host"``: design note). ``momentum``: SGD's; ``engine``: the placement is
+    placement (``"gpu"``, ``"backward"``, ``"host"``: [Note: what an optimizer holds, and when]). ``momentum``: SGD's; ``engine``: the placement is
     a DeepSpeed or FSDP2 offload read from the wrapping, counted from their documented layout but not measured
     here; ``name``: the name it was given by."""
 
@@ -94,7 +95,7 @@ class OptimizerSpec:
         return self.placement != GPU and self.engine is None
 
     def state_bytes(self, numel: int, itemsize: int) -> int:
-        """The states of one parameter of ``numel`` elements of ``itemsize`` bytes (design note)."""
+        """The states of one parameter of ``numel`` elements of ``itemsize`` bytes ([Note: what an optimizer holds, and when])."""
         if self.algorithm == "adamw8bit":
             if numel < BNB_MIN_8BIT_SIZE:
                 return 8 * numel
@@ -124,7 +125,7 @@ class OptimizerSpec:
 
     def step_temporary_bytes(self, sizes: Sequence[tuple[int, int]]) -> int:
         """The largest the step allocates beyond the states, for parameters of ``(numel, itemsize)`` on the device
-        (design note): foreach one state's worth of every parameter at once (stepped in backward: of one), the
+        ([Note: what an optimizer holds, and when]): foreach one state's worth of every parameter at once (stepped in backward: of one), the
         for-loop path two of the largest parameter, the fused and 8-bit kernels nothing."""
         on_device = [(n, i) for n, i in sizes if self.device_state_bytes(n, i)]
         if not on_device or self.algorithm != "adamw" or self.implementation not in ("foreach", "for-loop"):

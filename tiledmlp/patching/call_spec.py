@@ -1,8 +1,8 @@
 """One tiled call: the strategy's step, the form's step, the tiled function.
 
-Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call, one step into each
-package: the strategy (``Strategy.opened``; a patched module's ``auto`` strategy chosen in the same step): its forward
-context (may unshard), the parameter tensors read through the slots inside it where it changes them (the form's
+Shared by the patched forwards of ``enable_tiling`` and by ``apply_tiled_mlp``. Order per call, one call into each
+package: the strategy (``Strategy.prepare_call``; a patched module's ``auto`` strategy chosen in the same step): its
+forward context (may unshard), the parameter tensors read through the slots inside it where it changes them (the form's
 :meth:`~tiledmlp.forms.spec.FormSpec.read`, so wrappers' current tensors are used; ``auto``'s choice takes its key
 from the same read where the context changes nothing), checked and made local (tensor parallel: local shards,
 replicated input) → the form and its cut over them (:meth:`~tiledmlp.forms.spec.FormSpec.tile_call`) → the tiled
@@ -29,12 +29,12 @@ from ..forms.base import Slot
 from ..forms.quant import QuantizedLinear
 from ..forms.spec import FormSpec, Layout, Reading
 
-__all__ = ["Opened", "PreparedCall", "TiledCallSpec"]
+__all__ = ["PrepareCall", "PreparedCall", "TiledCallSpec"]
 
-#: The strategy's step of one call (``Strategy.opened``'s signature): ``(module, name, x, read)`` to a context whose
-#: value is the call's local tensors. A patched module passes its choice's (``StrategyChoice.opened``), which chooses
-#: the strategy in the same step: one trip into ``distributed/`` per call.
-Opened = Callable[[nn.Module, str, torch.Tensor, Callable[[], Reading]], ContextManager[Localized]]
+#: The strategy's step of one call (``Strategy.prepare_call``'s signature): ``(module, name, x, read)`` to a context
+#: whose value is the call's local tensors. A patched module passes its choice's (``StrategyChoice.prepare_call``),
+#: which chooses the strategy in the same step: one call into ``distributed/`` per call.
+PrepareCall = Callable[[nn.Module, str, torch.Tensor, Callable[[], Reading]], ContextManager[Localized]]
 
 
 def _check_router_logits_not_recorded(name: str) -> None:
@@ -79,14 +79,14 @@ class TiledCallSpec:
         self.form = FormSpec(self.slots, self.policy, self.layout, self.quantized, self.sized_by_copies,
                              self.grad_accum_dtype)
 
-    def __call__(self, opened: Opened, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
+    def __call__(self, prepare_call: PrepareCall, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                  x: torch.Tensor, fast_allowed: bool = True, token_inputs: Sequence[torch.Tensor] = ()):
         """Tiled ``forward(x)``; ``forward`` computes the module on one shard (generic form). ``token_inputs``:
-        a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens). ``opened``:
-        the strategy's step (a ``Strategy``'s ``opened``, or a patched module's ``StrategyChoice``'s, which also
+        a MoE experts call's routing indices and weights (``[..., k]``, aligned with ``x``'s tokens). ``prepare_call``:
+        the strategy's step (a ``Strategy``'s ``prepare_call``, or a patched module's ``StrategyChoice``'s, which also
         chooses it)."""
         read = functools.partial(self.form.read, fast_allowed)
-        with record_function("tiledmlp::call"), opened(module, self.name, x, read) as local:
+        with record_function("tiledmlp::call"), prepare_call(module, self.name, x, read) as local:
             run = self.prepare(local, module, forward, token_inputs)
             outs = run_tiled(run.call, run.x, local.params, run.token_inputs)
             if run.call.form.returned_tuple:
@@ -95,8 +95,8 @@ class TiledCallSpec:
 
     def prepare(self, local: Localized, module: nn.Module, forward: Optional[Callable[[torch.Tensor], Any]],
                 token_inputs: Sequence[torch.Tensor] = ()) -> "PreparedCall":
-        """Everything but the shards, over the strategy's ``local`` tensors (``Strategy.opened`` or ``local_call``):
-        the form and its cut (the form's one step, ``FormSpec.tile_call``)."""
+        """Everything but the shards, over the strategy's ``local`` tensors (``Strategy.prepare_call`` or
+        ``local_call``): the form and its cut (the form's one step, ``FormSpec.tile_call``)."""
         if self.is_moe:
             _check_router_logits_not_recorded(self.name)
         call, x, token_inputs = self.form.tile_call(local.x, local.params, local.index, local.layout,

@@ -29,6 +29,7 @@ from torch import nn
 from ..attention.layers import attention_layers
 from ..core.accumulate import block_scaled
 from ..core.logs import counted
+from ..core.places import Place
 from ..core.sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
                              moe_scratch_per_token, norm_scratch_per_token)
 from ..distributed.tensor_parallel import read_style
@@ -302,8 +303,8 @@ def _placed(placement: Optional[LayerPlacement]) -> str:
     if not placement.last:
         return "not run yet"
     counts = Counter(placement.last.values())
-    return ", ".join(f"{counts[p]} {word}" for p, word in (("gpu", "kept"), ("host", "on the host"),
-                                                            ("recompute", "recomputed"),
+    return ", ".join(f"{counts[p]} {word}" for p, word in ((Place.GPU, "kept"), (Place.HOST, "on the host"),
+                                                            (Place.RECOMPUTE, "recomputed"),
                                                             (SMALL, "kept (too small to move)")) if counts[p])
 
 

@@ -43,98 +43,13 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     head + cross-entropy of every Hugging Face causal LM in it (unless ``loss=False``).
 
     Args:
-        model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 (tiling may also be enabled
-            before wrapping with ``strategy="auto"``).
-        strategy: ``"auto"`` (detect the wrapper, also at run time), or force one of ``"plain"``,
-            ``"ddp"``, ``"no_sync"``, ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (ZeRO 1-3; also detected
-            when tiling is enabled before ``deepspeed.initialize``, from the parameters), ``"tp"``; a forced
-            strategy must match the wrapping.
-        loss: tile the loss (``tiledmlp.loss.heads``): while the model is called with ``labels``, its
-            head returns a placeholder that materializes on demand, and its ``loss_function`` computes
-            the same loss with :func:`tiled_linear_cross_entropy`, so the ``tokens x vocab`` logits
-            never exist at once. Without labels the head returns real logits, as before. ``None``
-            (default): wherever a causal LM's head can be tiled (a head that cannot — wrapped by an adapter,
-            a custom loss function, vocabulary-parallel — is logged and left as it is); ``True``: every
-            causal LM's, a ValueError where one cannot be; ``False``: the MLPs only. At long context the
-            logits, not the MLPs, are most of a model's activation memory (docs/results.md).
-        num_shards: shards per call; ``None`` is the automatic policy (see ``tiledmlp.core.sharding``):
-            for the fast forms the fewest shards (up to 16384 tokens each, in one or two blocks of
-            the intermediate dimension) whose backward scratch fits ``scratch_mib``; for the generic
-            form ``ceil(tokens / hidden)`` shards.
-        tile_tokens: tokens per shard instead of a shard count (fixed scratch memory).
-        inter_chunks: blocks of the intermediate dimension per shard in the fast forms' backward
-            (scratch shrinks by that factor); None: automatic.
-        scratch_mib: backward scratch budget of the fast forms in MiB (default 512: 16384-token
-            shards in two blocks of a Llama-3-8B MLP): the speed/memory knob of the automatic policy.
-        form: ``"auto"`` (the fast GLU or plain-MLP form where the probe identifies one, see
-            ``tiledmlp.recognize``) or ``"generic"`` (always the module's own forward).
-        grad_accum_dtype: how shard gradients are summed (``tiledmlp.core.accumulate``). ``None``: bf16
-            weights in block-scaled float16 (2 bytes per element, the gradient's own memory), other
-            16-bit parameters in float32; ``torch.float32``: every sum in float32 (exact, 4 bytes);
-            ``torch.bfloat16``: the anchors' bf16 running sum.
-        mlp_types: extra module types to tile with the generic form (see :func:`register_mlp`).
-        include_moe: tile MoE blocks (default True).
-        loss_scratch_mib: the tiled loss's scratch budget in MiB: the largest logits chunk, with the
-            rest of a shard's scratch (default: the larger of 256 MiB and the hidden states' size).
-        loss_mode: ``"auto"``, ``"fused"`` (gradients finished in forward: no logits recompute) or
-            ``"recompute"`` (vocabulary chunks, logits recomputed in backward); see ``tiledmlp.loss``.
-        loss_grad_accum_dtype: how the head gradient's shard partials are summed: ``torch.float32``
-            (default, exact) or ``None`` (block-scaled float16 in 2 bytes per element; less exact with
-            many shards). See ``tiledmlp.loss``.
-        offload: ``"cpu"``: keep the inputs of the model's checkpointed layers in pinned host memory from
-            their forward to their recompute, copied on a side stream and prefetched one layer ahead
-            (``tiledmlp.offload``; bit-identical results). ``"auto"``: each layer's input where the memory plan
-            (:func:`plan_memory`) puts it for the step's length: kept on the device while the device budget
-            allows, on the host while the host budget lasts, else recomputed in backward from the layer below
-            (one more layer forward; bit-identical); what the device budget has left is spent on speed: with
-            ``attention=True`` each layer's attention output and log-sum-exp kept from its forward for its
-            recompute (no second attention forward; 8.1 KiB per token per layer for Llama-3.1-8B; bit-identical),
-            then more inputs kept on the device. A length that fits nowhere is a ``MemoryError`` at the step's
-            first layer naming the longest that fits. Needs Hugging Face non-reentrant checkpointing
-            (``model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})``,
-            ``gradient_checkpointing_enable`` before transformers 5.23, before this call); custom models call
-            :func:`checkpoint` instead. Default None.
-        gpu_mib, host_mib: ``offload="auto"``'s budgets for one step on this rank (default: what the process may
-            use when the step starts, minus margins: free device memory and what its allocator holds; available host
-            memory, control-group aware).
-        seq_len: the tokens per step (per sequence; batch size 1) to plan for: of the memory options not given
-            (``norms``, ``attention``), those with which the plan fits and the step is fastest by its estimate
-            (``tiledmlp.plan.choose``), ``offload="auto"`` where not given (it spends the rest of the device on
-            speed), the layers checkpointed where the length needs it; said in one INFO line with the runner-up; a
-            length that fits nowhere is a ValueError naming the longest that does.
-        optimizer: the optimizer the training step will run, counted by the plan (``seq_len``, ``offload="auto"``,
-            :func:`describe`): an optimizer object, or a name (``"adamw"``: torch's fused AdamW, ``"adamw-foreach"``,
-            ``"adamw8bit"``, or the Trainer's ``optim`` names). Default None: none counted (the plan says so).
-        optimizer_placement: where the optimizer's memory lives: ``"gpu"``, ``"backward"`` (stepped in backward,
-            each gradient freed once used), ``"host"`` (torchao's CPU offload); None: where it is (a name: ``"gpu"``),
-            or with ``seq_len`` the fastest that fits. :func:`make_optimizer` builds a named one there; an optimizer
-            object placed ``"backward"`` is made to step in backward (:func:`step_in_backward`), said in the log.
-        norms: also tile the normalization layers (RMSNorm, LayerNorm, whatever their class: recognized by
-            what they compute, ``tiledmlp.recognize.norms``) with the generic form: each keeps only its input for
-            backward and computes its float32 intermediates one shard at a time (shards sized by
-            ``scratch_mib``), instead of keeping a float32 copy of its input and making several more in
-            backward. At long context with checkpointing this is most of a decoder layer's recompute
-            peak (16-layer Llama-3.2-1B shape at 128K tokens on an H200: 14.95 -> 10.72 GiB with
-            ``offload="cpu"``). Costs one more forward of each norm per shard in backward. Default False.
-        projections: also tile every peft LoRA layer on an ``nn.Linear``, ``Conv1D`` or bitsandbytes 4-bit base
-            outside the tiled MLPs and heads (attention's q, k, v, o: ``tiledmlp.recognize.projections``): each keeps
-            only its input for backward, its adapter's per-token copies (peft's float32 casts of the input, the low-rank
-            outputs) exist one shard at a time, and its fast form never recomputes the base projection (no more
-            FLOPs than untiled; an adapter with dropout takes the generic form, said). With LoRA at long context
-            they are most of a checkpointed layer's recompute peak (Llama-3.1-8B QLoRA under bf16 autocast on an
-            H100: 124.8 -> 104.8 KiB per token, the longest sequence 581,632 -> 692,224 tokens;
-            ``docs/integrations.md``). Default False.
-        attention: less memory per token around the attention core (``tiledmlp.attention``): every
-            ``F.scaled_dot_product_attention`` call made in a layer's attention block that needs a gradient and has
-            no mask or dropout runs SDPA's own kernel (cuDNN or flash) with its backward one group of KV heads at a
-            time (``tiledmlp.attention.grouped``), so the float32 dq accumulator and the grouped-KV expanded dk/dv
-            exist for one group, not for all heads (Llama-3.1-8B: 44.1 -> 17.5 KiB per token); with ``norms=True``,
-            q, k and v keep the tiled input norm's input instead of its output and compute the output again in
-            backward. The same values and gradients, no more FLOPs: a Llama-3.1-8B step 96.7 -> 60.6 KiB per token,
-            no slower (``docs/long-context.md``). Calls it cannot take run as before, with the reason logged once
-            and in :func:`describe`. Default False.
-        options: all of the above as one :class:`TilingOptions` instead of keywords (not both: a TypeError);
-            the keywords make one, checked once (``tiledmlp.plan.options``).
+        model: a bare model, or one wrapped by DDP / FSDP1 / FSDP2 / DeepSpeed / a TP plan (tiling may also be
+            enabled before wrapping with ``strategy="auto"``).
+        strategy, num_shards, loss: the first three fields of :class:`TilingOptions`, positional as before.
+        options: every option as one :class:`TilingOptions` instead of keywords (not both: a TypeError).
+        **kwargs: the other fields of :class:`TilingOptions` (``tiledmlp.plan.options``), each documented there in
+            one line; what each costs and saves is ``docs/api.md``, "enable_tiling's options". Checked once, before
+            the model is touched.
 
     Logs one INFO line (what was tiled, strategies, scratch at 128K tokens) and a WARNING for every
     module that looks like an MLP but takes the generic form, with the reason; :func:`describe`
@@ -161,7 +76,7 @@ def enable_tiling(model: nn.Module, strategy: str = "auto", num_shards: Optional
     offload_layers = checkpointed_layers(model, options.offload)
     states = plan(model, made.plan, made.loss, loss_required=options.loss is True)
     layers = _attention_layers(model, states, options.attention)
-    _say_what_does_nothing(model, states, options.projections, options.grad_accum_dtype, made.loss)
+    _warn_options_without_effect(model, states, options.projections, options.grad_accum_dtype, made.loss)
     uninstall_attention(model)  # before the forwards it wraps are restored or replaced
     install(model, states)
     install_follower(model, made.plan)
@@ -234,7 +149,7 @@ def _place_optimizer_object(optimizer: Any, placement: Optional[str]) -> None:
                  type(optimizer).__name__)
 
 
-def _say_what_does_nothing(model: nn.Module, states: dict[str, TilingState], projections: bool,
+def _warn_options_without_effect(model: nn.Module, states: dict[str, TilingState], projections: bool,
                            accum: Optional[torch.dtype], loss_options: Optional[LossOptions]) -> None:
     """Options that would silently do nothing or lose precision on this model, said once each."""
     if projections and not any(s.kind == Kind.PROJ for s in states.values()):

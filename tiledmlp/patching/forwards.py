@@ -31,7 +31,7 @@ from .planning import replan
 from .state import STATE_ATTR, TilingState, original_forward
 
 
-__all__ = ["COMPILED_CALL", "CompiledCall", "followed", "tiled_forward_of"]
+__all__ = ["COMPILED_CALL", "CompiledCall", "replan_if_changed", "tiled_forward_of"]
 
 
 def _split_input(state: TilingState, args: tuple, kwargs: dict):
@@ -100,9 +100,9 @@ def _has_tensor(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) for v in values)
 
 
-def followed(module: nn.Module, state: TilingState) -> TilingState:
+def replan_if_changed(module: nn.Module, state: TilingState) -> TilingState:
     """``module``'s state, planned again (and installed) where its submodules changed since it was planned
-    (``state.py``'s design note): a call never computes with children the module no longer has, nor misses new
+    (``state.py``, [Note: a module that changed since it was planned]): a call never computes with children the module no longer has, nor misses new
     ones. Said once per kind of change: at INFO where the module is tiled again, as a warning where it now takes the
     generic form or runs untiled."""
     changes = state.changes(module)
@@ -158,7 +158,7 @@ def _traced_forward(module: nn.Module, args: tuple, kwargs: dict):
     untiled forward where one shard would do, else the eager call (one graph break, said once)."""
     state: TilingState = module.__dict__[STATE_ATTR]
     if state.changes(module):
-        return _planned_again(module, args, kwargs)
+        return _replan_and_call(module, args, kwargs)
     if state.traced is None:
         reason = ("its generic form's output cannot be sized before it runs (children that are not Linear-like, "
                   "or a whole MoE block)" if state.spec.layout is None else "its parameters do not all live under it")
@@ -220,7 +220,7 @@ class CompiledCall(OperatorImpl):
                    token_inputs: list[torch.Tensor], generic: bool) -> torch.Tensor:
         state = _operated_state(module)
         read = functools.partial(state.spec.form.given, params, not generic)
-        with record_function("tiledmlp::call"), state.choice.opened(module, state.spec.name, x, read) as local:
+        with record_function("tiledmlp::call"), state.choice.prepare_call(module, state.spec.name, x, read) as local:
             run = state.spec.prepare(local, module, original_forward(module), token_inputs)
             with record_function("tiledmlp::forward"):
                 outs = forward_shards(run.call, run.x, local.params, run.token_inputs)
@@ -277,10 +277,10 @@ def _operated_state(module: nn.Module) -> TilingState:
 
 
 @torch.compiler.disable
-def _planned_again(module: nn.Module, args: tuple, kwargs: dict):
+def _replan_and_call(module: nn.Module, args: tuple, kwargs: dict):
     """The eager call of a module whose submodules changed since it was planned: it plans the module again
-    (:func:`followed`); the new state fails the guards of the graph that called this, so the next call is traced
-    with the new plan."""
+    (:func:`replan_if_changed`); the new state fails the guards of the graph that called this, so the next call is
+    traced with the new plan."""
     return _tiled_forward(module, *args, **kwargs)
 
 
@@ -303,7 +303,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
         return original(*args, **kwargs)
     if _one_shard_inference(state, x, state.spec.layout is not None):
         return original(*args, **kwargs)
-    state = followed(module, state)
+    state = replan_if_changed(module, state)
     if state.untiled:
         return original(*args, **kwargs)
     extra = _other_args(state, args, kwargs)
@@ -345,7 +345,7 @@ def _tiled_forward(module: nn.Module, *args, **kwargs):  # eager only: compiled 
                   "bitsandbytes' own forward per shard", state.spec.name, problem)
     if fast:
         state.fallback = ""  # describe() says what the last call did
-    out = state.spec(state.choice.opened, module, shard_forward, x, fast_allowed=fast)
+    out = state.spec(state.choice.prepare_call, module, shard_forward, x, fast_allowed=fast)
     if state.remembers_output and not extra:
         remember_norm_output(out, x, functools.partial(_norm_again, module))
     return out
@@ -367,7 +367,7 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
     x, index, weights = routed
     if _one_shard_inference(state, x, True):
         return original(*args, **kwargs)
-    state = followed(module, state)
+    state = replan_if_changed(module, state)
     if state.untiled:
         return original(*args, **kwargs)
     if state.kind != Kind.MOE:  # planned again as another form: its own call
@@ -377,4 +377,4 @@ def _tiled_experts(module: nn.Module, state: TilingState, original, args: tuple,
         warn_once(("hooks", state.spec.name, tuple(hooked)), "%s: hooks are registered on %s; the MoE form does not "
                   "call the children, so these calls run the experts untiled", state.spec.name, ", ".join(hooked))
         return original(*args, **kwargs)
-    return state.spec(state.choice.opened, module, None, x, token_inputs=(index, weights))
+    return state.spec(state.choice.prepare_call, module, None, x, token_inputs=(index, weights))

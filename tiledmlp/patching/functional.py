@@ -78,4 +78,4 @@ def apply_tiled_mlp(fn: Callable[[nn.Module, torch.Tensor], Any], mlp_module: nn
     if x.numel() == 0:
         return fn(mlp_module, x)
     spec = TiledCallSpec(name=type(mlp_module).__name__, slots=tuple(slots), policy=policy)
-    return spec(strategy.opened, mlp_module, lambda xs: fn(mlp_module, xs), x)
+    return spec(strategy.prepare_call, mlp_module, lambda xs: fn(mlp_module, xs), x)

@@ -5,8 +5,7 @@ plan it again), kept in the module's ``__dict__`` under :data:`STATE_ATTR`. The 
 compiled operator's body). Imported by the planning (which makes states), the patched forwards (which read them) and
 the installer; imports none of them.
 
-Design note — a module that changed since it was planned
---------------------------------------------------------
+[Note: a module that changed since it was planned]
 A state is a plan for the module as it was: which children compute what (``spec.slots``' owners, the layout, the
 LoRA adapters), never the parameter tensors themselves, which every call reads through the slots (so a parameter
 replaced on its module — ``load_state_dict(assign=True)``, ``to_empty()``, an optimizer wrapper, FSDP2's unsharded

@@ -2,8 +2,9 @@
 options of ``enable_tiling``, built from the model's shapes and parameters without running it. ``shapes`` (what the
 model is to the planner), ``memory`` (the terms, where the peak is), ``placement`` (each checkpointed layer's input:
 kept, host or recomputed, and which layers keep their attention output for the recompute), ``optimizer`` (its states
-and where they live), ``timing`` (a step's time, estimated), ``arguments`` (the memory options' checks), ``plans``
-(:func:`plan_memory`, the budgets, ``offload="auto"``'s placement at run time), ``choose`` (the fastest options for a
+and where they live), ``timing`` (a step's time, estimated), ``arguments`` (the memory options' checks), ``budgets``
+(what a step may take: given, or probed on the device and the host), ``plans`` (:func:`plan_memory`,
+``offload="auto"``'s placement at run time), ``choose`` (the fastest options for a
 length), ``options`` (:class:`TilingOptions`, every option of ``enable_tiling`` in one object, the one list of their
 names, and the options a tiled model was tiled with).
 

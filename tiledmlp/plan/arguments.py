@@ -5,7 +5,6 @@ silence)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from ..optimizers.spec import NAMES as OPTIMIZER_NAMES, spec_named
 from .optimizer import placements_for
 
-__all__ = ["check_loss", "check_flag", "check_offload", "check_budget", "check_loss_off", "check_optimizer"]
+__all__ = ["check_loss", "check_flag", "check_offload", "check_loss_off", "check_optimizer"]
 
 OFFLOADS = (None, "cpu", "auto")
 
@@ -36,18 +35,6 @@ def check_offload(offload: Any) -> None:
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r}: choose None (keep each checkpointed layer's input), 'cpu' "
                          "(every one on the host) or 'auto' (placed by the plan within gpu_mib/host_mib)")
-
-
-def check_budget(name: str, value: Any) -> None:
-    """``gpu_mib`` / ``host_mib``: a finite number of MiB >= 0, or None for what this process may use."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of MiB (an int or float, such as 80000 for about 78 GiB) or None "
-                        f"for what this process may use, got {type(value).__name__} {value!r}")
-    if math.isnan(value) or not 0 <= value < math.inf:
-        raise ValueError(f"{name} must be a finite number of MiB >= 0, or None for what this process may use, got "
-                         f"{value!r}")
 
 
 def check_loss_off(loss_options: Mapping[str, tuple[Any, Any]]) -> None:

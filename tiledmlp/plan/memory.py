@@ -1,14 +1,13 @@
 """The memory model of one training step, per rank, and the design of the checkpointed layers' inputs' placement
 (which ``tiledmlp.plan.placement`` searches).
 
-Design note — what is counted, where the peak is
-------------------------------------------------
+[Note: what is counted, where the peak is]
 A checkpointed decoder keeps, from forward to backward, each layer's input (``tokens x hidden``): on the device, on
 the host (``offload``), or nowhere (recomputed from the layer below: ``tiledmlp.offload.chain``). Its peak is inside
 one layer's backward, where that layer's recompute has rebuilt what its forward saves and its backward runs. Layer
 ``i``'s backward holds:
 
-* the weights, and the optimizer states the device holds (``tiledmlp.optimizers.spec``, design note);
+* the weights, and the optimizer states the device holds (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]);
 * the gradients made so far: the head's and those of layers ``i`` and above (the input embedding's comes last); with
   the optimizer stepped in backward or on the host, each is freed as it completes: at most the MLP's of layer ``i``,
   beside its shard scratch, and a head tied to the input embedding's, which waits for the embedding's share until the
@@ -28,8 +27,7 @@ cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the
 (``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
 this model's 46.12); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
 
-Design note — without checkpointing
------------------------------------
+[Note: without checkpointing]
 A model whose layers do not checkpoint keeps each layer's activations from its forward to its backward, not only
 its input: counted as what a layer's recompute rebuilds (the attention core's output, q/k/v, the hidden vectors
 around them: ``recompute_bytes_per_token``), in every layer below the one whose backward runs. Not measured: such a
@@ -47,21 +45,19 @@ call's KV-head groups) and, where even one KV-head group's backward scratch exce
 Measured on an H100 and an H200 (``tests/unit/plan/test_memory.py`` reads every benchmark CSV of them): the
 Llama-3.1-8B and -3.2-1B shapes, 2 to 32 layers, 32K to 1M tokens, every placement, within 3%.
 
-Design note — placement
------------------------
+[Note: placement]
 Kept on the device is fastest, then the host (a copy each way, overlapped), then recompute (one more layer forward).
 :func:`place` keeps the most layers on the device that the device budget allows (the top layers: their backward
 comes first, when fewest gradients exist), sends the rest to the host while the host budget lasts, and recomputes
 what is left, spread so that no two recomputed layers are adjacent while that is possible (a chain of ``k`` costs
 ``k (k + 1) / 2`` extra forwards). Layer 0 is never recomputed: nothing below it.
 
-Design note — free memory spent on speed
-----------------------------------------
+[Note: free memory spent on speed]
 What the device budget has left once the inputs are placed buys time, in this order:
 
 1. the attention core's output and log-sum-exp kept from each layer's forward for its recompute (with
-   ``attention=True``, where its calls are grouped: ``tiledmlp.attention.grouped``, design note "the forward's
-   output kept"), the top layers first. It saves one attention forward per layer, about 15% of a long step and
+   ``attention=True``, where its calls are grouped: ``tiledmlp.attention.grouped``,
+   [Note: the forward's output kept for the recompute]), the top layers first. It saves one attention forward per layer, about 15% of a long step and
    quadratic in the tokens, for 8.1 KiB per token (8B shape);
 2. then inputs kept on the device instead of the host: each saves a copy each way, linear in the tokens and
    overlapped with compute (measured 0-4% of a step at 128K-768K, ``docs/long-context.md``), for 8 KiB per token.
@@ -80,6 +76,7 @@ from typing import Optional, Sequence
 from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_token, kv_heads_per_call
 from ..attention.ulysses import slots
 from ..core.logs import counted
+from ..core.places import Place
 from ..core.sharding import DEFAULT_SCRATCH_MIB, ShardPolicy, mlp_scratch_per_token
 from .optimizer import NO_OPTIMIZER, OptimizerMemory
 from .shapes import ModelShape
@@ -88,7 +85,7 @@ __all__ = ["GPU", "HOST", "RECOMPUTE", "StepOptions", "Term", "Peak", "step_peak
            "recompute_bytes_per_token", "ulysses_working_bytes_per_token", "scratch_bytes",
            "attention_kept_bytes", "Placed"]
 
-GPU, HOST, RECOMPUTE = "gpu", "host", "recompute"
+GPU, HOST, RECOMPUTE = Place.GPU, Place.HOST, Place.RECOMPUTE  # short names for this module and its tests
 Placed = tuple[tuple[str, ...], tuple[bool, ...]]  # each layer's input place, whether it keeps its attention output
 
 #: per token, untiled norms add their float32 copies of the input and their outputs in each layer's recompute:
@@ -124,7 +121,7 @@ class StepOptions:
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per token of one layer's backward at its peak, the layer input included (design note)."""
+    """Bytes per token of one layer's backward at its peak, the layer input included ([Note: what is counted, where the peak is])."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     core_saved = q * a + shape.heads * 4  # the attention core's output and its float32 log-sum-exp
     qkv = (q + 2 * kv) * a
@@ -143,7 +140,7 @@ def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
 
 
 def recompute_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per token of a layer's recompute at its peak where the layer keeps its attention output (design note):
+    """Bytes per token of a layer's recompute at its peak where the layer keeps its attention output ([Note: what is counted, where the peak is]):
     the kept output and log-sum-exp, q/k/v, six hidden vectors and RoPE's cos and sin."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     modelled = q * a + shape.heads * 4 + (q + 2 * kv) * a + 6 * h * a + 2 * shape.head_dim * a
@@ -158,7 +155,7 @@ def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> 
 
 def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> Optional[int]:
     """Under a Ulysses split with ``attention=True``, the backward's scratch of one KV-head slot over the whole
-    sequence (``tiledmlp.attention.ulysses``, design notes): the kernel's for the query heads of a call and the KV
+    sequence (``tiledmlp.attention.ulysses``, [Note: the backward's scratch]): the kernel's for the query heads of a call and the KV
     heads' dk, dv, the slot's exchanged q, output, output gradient, k and v, and, where a KV head's query heads are
     split over calls, dk and dv summed in float32. None where the calls are short enough to run as Ulysses does."""
     world = options.ulysses
@@ -178,7 +175,7 @@ def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) ->
 
 
 def ulysses_working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per local token of a layer's backward inside a Ulysses slot's backward (design note "under Ulysses"):
+    """Bytes per local token of a layer's backward inside a Ulysses slot's backward (``tiledmlp.attention.ulysses``, [Note: what a split sequence's attention holds]):
     the attention's saved q, k, v, output and log-sum-exp, the output's gradient, the gradient into the layer, dq, dk
     and dv, the layer input (and, unless ``norms=True``, the untiled norms' copies)."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
@@ -187,7 +184,7 @@ def ulysses_working_bytes_per_token(shape: ModelShape, options: StepOptions) -> 
 
 
 def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
-    """The scratch of the tiled computation at a layer's backward peak (design note): with ``attention=True`` the
+    """The scratch of the tiled computation at a layer's backward peak ([Note: what is counted, where the peak is]): with ``attention=True`` the
     larger of the shard budget and one call's KV-head groups' backward scratch (under Ulysses the shard budget: a
     slot's is :func:`_ulysses_slot_bytes`, at a moment of its own); 0 without (a per-token term)."""
     if not options.attention:
@@ -250,14 +247,14 @@ def _mlp_gradients_beyond_scratch(shape: ModelShape, options: StepOptions, token
 def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str],
               keeps: Optional[Sequence[bool]] = None) -> Peak:
     """The peaks of a step over ``tokens`` local tokens with the checkpointed layers' inputs at ``places`` and
-    their attention outputs kept where ``keeps`` says (design notes)."""
+    their attention outputs kept where ``keeps`` says ([Note: what is counted, where the peak is], [Note: placement])."""
     n, layer_grad_bytes = len(places), shape.layer_grad_bytes
     keeps = keeps or (False,) * n
     attention = attention_kept_bytes(shape, options, tokens) if any(keeps) else 0  # one layer's kept output
     per_token = working_bytes_per_token(shape, options)
     recompute = recompute_bytes_per_token(shape, options)
     # what a layer keeps from its forward to its backward: its input, checkpointed; else what its recompute would
-    # rebuild (design note "without checkpointing")
+    # rebuild ([Note: without checkpointing])
     kept = tokens * (shape.layer_input_bytes_per_token if shape.checkpointed else int(recompute))
     kept_name = "layer inputs kept on the device" if shape.checkpointed else "layers' activations (no checkpointing)"
     scratch = scratch_bytes(shape, options, tokens)

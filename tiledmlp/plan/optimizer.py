@@ -1,5 +1,5 @@
 """An optimizer's bytes on this rank, summed over the parameters it steps (``tiledmlp.optimizers.spec`` has the rules
-per parameter and the design note on what is alive when), and the placements a plan may choose for one named."""
+per parameter and [Note: what an optimizer holds, and when]), and the placements a plan may choose for one named."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ..core.accumulate import check_accum_dtype
-from ..core.sharding import LOSS_MODES, ShardPolicy, check_budget_mib
+from ..core.sharding import LOSS_MODES, ShardPolicy, check_mib
 from ..distributed.selection import STRATEGY_NAMES
-from .arguments import check_budget, check_flag, check_loss, check_loss_off, check_offload, check_optimizer
+from .arguments import check_flag, check_loss, check_loss_off, check_offload, check_optimizer
 from .memory import StepOptions
 
 __all__ = ["TilingOptions", "OPTION_NAMES", "PLANNED_OPTIONS", "LENGTH_OPTIONS", "PLAN_INPUTS", "ASSUMED_OPTIONS",
@@ -45,7 +45,7 @@ class TilingOptions:
     ``plan_memory(model, seq_len, options=...)``. Made once, checked once: a wrong type is a ``TypeError``, a wrong
     value a ``ValueError``, each naming the field and what it takes. ``norms``, ``attention`` and ``offload`` not given
     are chosen by ``seq_len``'s plan (``dataclasses.replace`` gives every field). Memory and speed of each option:
-    ``enable_tiling``'s docstring."""
+    ``docs/api.md``, "enable_tiling's options"."""
 
     #: ``"auto"`` (detect the wrapper, also at run time) or a forced one of ``STRATEGY_NAMES``; costs nothing
     strategy: str = "auto"
@@ -123,9 +123,9 @@ class TilingOptions:
                 check_flag(name, getattr(self, name))
         check_offload(self.offload)
         for name in ("gpu_mib", "host_mib"):
-            check_budget(name, getattr(self, name))
+            check_mib(name, getattr(self, name), zero_allowed=True, none_means="what this process may use")
         for name in ("scratch_mib", "loss_scratch_mib"):
-            check_budget_mib(name, getattr(self, name))
+            check_mib(name, getattr(self, name))
         if self.loss is False:
             check_loss_off({f.name: (getattr(self, f.name), f.default) for f in fields(self)
                             if f.name.startswith("loss_")})

@@ -33,7 +33,7 @@ def arrange(n: int, on_gpu: int, recomputed: int) -> Optional[tuple[str, ...]]:
 def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int],
           host_budget: Optional[int], spend: bool = True) -> tuple[Placed, Peak]:
     """The placement of the inputs of the checkpointed layers for ``options.offload``
-    (``"auto"``: design notes; ``"cpu"``: every one on the host; None: every one kept), which layers keep their
+    (``"auto"``: ``tiledmlp.plan.memory``, [Note: placement]; ``"cpu"``: every one on the host; None: every one kept), which layers keep their
     attention output (``"auto"`` with ``spend``: what is left of the device budget, spent), and its peaks. Under
     ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
     n = len(shape.layer_grad_bytes)
@@ -68,7 +68,7 @@ def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Opti
 def _spend(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int], host_slots: int,
            on_gpu: int, places: tuple[str, ...], peak: Peak) -> tuple[Placed, Peak]:
     """The fitting ``places`` (``on_gpu`` inputs on the device) with what the device budget has left spent on kept
-    attention outputs first, then inputs on the device (design note "free memory spent on speed"): the most
+    attention outputs first, then inputs on the device ([Note: free memory spent on speed]): the most
     layers keeping their output, with as many inputs on the device as then fit, and no more recomputed layers."""
     n = len(places)
     if not attention_kept_bytes(shape, options, tokens):

@@ -4,7 +4,6 @@ longest length that does), the budgets a plan is held to, and the placement ``of
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -15,20 +14,17 @@ from ..core.compat import checkpointing_call
 from ..core.logs import warn_once
 from ..core.regions import ATTENTION
 from ..distributed.sequence_parallel import split_of
-from ..offload.checkpointing import pinned_bytes
-from ..offload.host_memory import available_host_bytes
+from .budgets import budgets
 from .memory import GPU, HOST, RECOMPUTE, Peak, StepOptions
 from .optimizer import OptimizerMemory, engine_placement, optimizer_memory, placements_for
 from .options import ASSUMED_OPTIONS, PLANNED_OPTIONS, TilingOptions, tiled_step_options
 from .placement import place
 from .shapes import ModelShape, compute_device, device_bytes, model_shape
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "AutoPlacement", "budgets", "refusal"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_for_shape", "step_options", "AutoPlacement", "refusal"]
 
 log = logging.getLogger("tiledmlp")
 
-GPU_MARGIN = (1 << 30, 0.03)  # left free on the device: the larger of 1 GiB and 3% (CUDA workspaces, fragmentation)
-HOST_MARGIN = 2 << 30  # left free on the host for everything else
 #: ``projections=True``'s LoRA copies add per-token terms not measured on this version: the plan may be low, and says so
 UNMODELLED_PROJECTIONS = ("projections=True: the LoRA projections' per-token copies (their inputs, cast or not) are "
                           "not in this plan, so the device peak may be higher than planned; with offload='auto' give "
@@ -148,40 +144,6 @@ def step_options(model: nn.Module, optimizer: Any = None, optimizer_placement: O
     return replace(step, optimizer=optimizer_memory(model, optimizer, optimizer_placement, engine))
 
 
-def budgets(model: nn.Module, gpu_mib: Optional[float] = None,
-            host_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
-    """``(device, host)`` bytes a step may take: those given, else what this process may use now, minus margins:
-    the device's free memory plus what this process's allocator holds, this process's share of the host's available
-    memory (control-group aware; shared evenly by the ``LOCAL_WORLD_SIZE`` ranks a launcher started on this host) plus
-    the offload buffers this process already holds. A model on the CPU computes in host memory: that share is its
-    device budget, and its host budget is 0 (offloading copies within host memory there, saving nothing)."""
-    device = compute_device(model)
-    gpu = int(gpu_mib * 2**20) if gpu_mib is not None else None
-    if gpu is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        gpu = free + torch.cuda.memory_reserved(device) - max(GPU_MARGIN[0], int(GPU_MARGIN[1] * total))
-    host = int(host_mib * 2**20) if host_mib is not None else None
-    if host is None or (gpu is None and device.type == "cpu"):
-        available = available_host_bytes()
-        # the buffers this process already pinned for offload serve the next steps too
-        share = None if available is None else max(available - HOST_MARGIN, 0) // _ranks_on_this_host()
-        share = None if share is None else share + pinned_bytes(device)
-        if device.type == "cpu":
-            gpu, host = (share if gpu is None else gpu), (0 if host is None else host)
-        elif host is None:
-            host = share
-    return gpu, host
-
-
-def _ranks_on_this_host() -> int:
-    """The processes a launcher started on this host (torchrun, accelerate and SLURM's torchrun set
-    ``LOCAL_WORLD_SIZE``), each planning its own steps: they share the host's memory."""
-    try:
-        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    except ValueError:
-        return 1
-
-
 def _fits(shape: ModelShape, options: StepOptions, tokens: int, gpu: Optional[int], host: Optional[int]) -> bool:
     _, peak = place(shape, options, tokens, gpu, host, spend=False)
     return (gpu is None or peak.gpu_bytes <= gpu) and (host is None or peak.host_bytes <= host)
@@ -258,7 +220,7 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     layer's input (``offload="auto"``: kept, host or recomputed, see ``tiledmlp.plan.memory``), whether it fits
     ``gpu_mib`` / ``host_mib`` (default: those ``model`` was tiled with, else what this process may use now) and the
     longest length that does; under ``offload="auto"``, which layers keep their attention output for the recompute
-    with what the device budget has left (``tiledmlp.plan.memory``, design note "free memory spent on speed").
+    with what the device budget has left (``tiledmlp.plan.memory``, [Note: free memory spent on speed]).
 
     ``planned``: ``enable_tiling``'s options that change the terms (``loss``, ``norms``, ``attention``, ``offload``,
     ``loss_scratch_mib``, ``scratch_mib``, ``projections``: ``tiledmlp.plan.options.PLANNED_OPTIONS``); those left out
@@ -267,7 +229,7 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     its fields at their defaults as keywords left out), with its ``optimizer``, ``optimizer_placement``, ``gpu_mib``
     and ``host_mib``; not both.
     ``projections=True``'s LoRA copies are not modelled: such a plan says so in its table and in a warning, once.
-    ``optimizer``: count it (``tiledmlp.optimizers.spec``, design note: states, the step's temporaries, the gradients'
+    ``optimizer``: count it (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]: states, the step's temporaries, the gradients'
     lifetime, host copies): an optimizer object (placed as it is), or a name (``"adamw"``, torch's fused AdamW;
     ``"adamw-foreach"``; ``"adamw8bit"``; the Trainer's ``optim`` names) placed at ``optimizer_placement``
     (``"gpu"``, ``"backward"``: stepped in backward, ``"host"``: torchao's CPU offload) or, by default, the fastest

@@ -3,8 +3,7 @@
 difference matters, so the estimate counts the work (FLOP, bytes over the host link, the host optimizer's step) at
 nominal rates of an H100/H200-class GPU and its host, not a prediction of seconds on any one machine.
 
-Design note — what differs between the options
-----------------------------------------------
+[Note: what differs between the options]
 Every configuration runs each layer's forward and backward, and the loss; what differs (measured on an H200, Llama-3.1-8B
 shape, ``docs/long-context.md``):
 
@@ -64,7 +63,7 @@ def _runs(places: Sequence[str]) -> list[int]:
 def step_seconds(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str],
                  keeps: Sequence[bool]) -> float:
     """The estimated seconds of one step over ``tokens`` local tokens with the layer inputs at ``places`` and the
-    attention outputs kept where ``keeps`` says (design note)."""
+    attention outputs kept where ``keeps`` says ([Note: what differs between the options])."""
     products, core = _layer_forward(shape, tokens)
     forward = products + core
     n = len(places)

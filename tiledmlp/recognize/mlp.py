@@ -1,5 +1,5 @@
 """Recognize MLP blocks by what they compute, not by what their attributes are called: the candidates and their
-layouts are in ``candidates.py``, the probe and its design note in ``probe.py``; this module decides.
+layouts are in ``candidates.py``, the probe and [Note: the probe] in ``probe.py``; this module decides.
 
 What the fast forms do not compute makes a candidate generic, with the reason in
 ``Recognized.reason``: parameters or buffers outside the projections (a learned scale), a LoRA
@@ -87,7 +87,7 @@ def _not_tiled(module: nn.Module, why: str) -> None:
 
 def recognize_mlp(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot],
                   fast: bool = True) -> Optional[Recognized]:
-    """Recognize ``module`` as an MLP by computation (see the design note), or None if it does not
+    """Recognize ``module`` as an MLP by computation (see ``probe.py``, [Note: the probe]), or None if it does not
     look like one. ``forward``: its original forward; ``fast=False``: the generic form was asked for."""
     children = dict(module.named_children())
     linears = [lin for lin in (linear_like(n, c) for n, c in children.items()) if lin is not None]

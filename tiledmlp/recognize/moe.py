@@ -1,7 +1,6 @@
 """Recognize a MoE layer's experts by interface and computation, for the MoE form (``forms/moe.py``).
 
-Design note — what makes an experts module
-------------------------------------------
+[Note: what makes an experts module]
 The interface transformers 5 gives every MoE family (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss,
 Llama-4 text, GLM-4-MoE, ...): ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``
 over two 3-D expert weights (``[E, out, in]``, or ``[E, in, out]`` when transposed) and optional ``[E, out]``

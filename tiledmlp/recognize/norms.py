@@ -1,7 +1,6 @@
 """Normalization layers tiled over tokens: ``enable_tiling(model, norms=True)``.
 
-Design note — why tile a normalization layer
---------------------------------------------
+[Note: why tile a normalization layer]
 Hugging Face's RMSNorm (Llama, Mistral, Qwen, Gemma, ...) computes in float32: ``x.float()``,
 ``pow(2).mean(-1)``, ``x * rsqrt(...)``, ``.to(bf16)``, ``weight * ...``. Autograd saves the float32 copy
 of the input (4 bytes per element) and the bf16 normalized tensor, and the backward makes up to five
@@ -60,7 +59,7 @@ _PROBE_SCALE = 3.0
 
 
 def recognize_norm(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized(Kind.NORM)`` for a normalization layer (see the design note), else None. ``forward``: the
+    """``Recognized(Kind.NORM)`` for a normalization layer (see [Note: why tile a normalization layer]), else None. ``forward``: the
     module's original forward."""
     if next(module.children(), None) is not None or not 1 <= len(slots) <= 2 or has_tp_hooks(module):
         return None

@@ -1,8 +1,7 @@
 """The probe: a candidate's own forward run on random tokens, compared with each fast form it allows (the
 candidates and their layouts come from ``candidates.py``; ``mlp.py`` decides from the probe's answers).
 
-Design note — the probe
------------------------
+[Note: the probe]
 A module is a candidate when two to four of its direct children are Linear-like (``nn.Linear``,
 Hugging Face ``Conv1D``, a peft LoRA-wrapped linear) and two of them chain ``hidden -> inter ->
 hidden`` (``inter`` or ``2 * inter`` for a fused gate/up projection). The names do not matter.

@@ -1,7 +1,6 @@
 """LoRA-adapted projections tiled over tokens: ``enable_tiling(model, projections=True)``.
 
-Design note — why tile a projection
------------------------------------
+[Note: why tile a projection]
 A plain ``nn.Linear`` keeps only its input for backward, a tensor the layer holds anyway. A peft LoRA layer
 around it keeps more, all of it per token: without autocast each adapter casts the layer's input to its own
 dtype (peft keeps adapters in float32, so four float32 copies of the hidden states for q, k, v and o); its
@@ -47,7 +46,7 @@ __all__ = ["recognize_projection"]
 
 
 def recognize_projection(module: nn.Module, slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized(Kind.PROJ)`` for a LoRA-adapted linear projection (see the design note), else None: with the fast
+    """``Recognized(Kind.PROJ)`` for a LoRA-adapted linear projection (see [Note: why tile a projection]), else None: with the fast
     form's layout, or (adapter dropout, DoRA, several active adapters, ...) the generic form and the reason."""
     if not is_peft_lora(module) or len(slots) == 0 or has_tp_hooks(module) or has_tp_hooks(module.base_layer):
         return None  # a tensor-parallel projection holds a slice of the features; its plan computes it

@@ -1,5 +1,5 @@
-"""The attention core's forward output kept for the layer's recompute (``tiledmlp.attention.grouped``, design note
-"the forward's output kept"; switched on per layer by ``offload="auto"``'s placement): training is bit for bit that of
+"""The attention core's forward output kept for the layer's recompute (``tiledmlp.attention.grouped``,
+[Note: the forward's output kept for the recompute]; switched on per layer by ``offload="auto"``'s placement): training is bit for bit that of
 plain checkpointing, in every placement of the layer inputs, and a recompute only ever takes what its own forward
 kept. On CPU (the CPU's flash kernel); the memory on a GPU is ``benchmarks/bench_longctx.py``'s."""
 

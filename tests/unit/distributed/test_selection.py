@@ -1,6 +1,6 @@
-"""Strategy choice decided once per wrapping (``tiledmlp.distributed.selection``, design note "decided once, checked
-cheaply"): a tiled call reads the wrapping again only when what it depends on changed, and the functional calls
-pick in the same room."""
+"""Strategy choice decided once per wrapping (``tiledmlp.distributed.selection``,
+[Note: a strategy decided once, checked cheaply]): a tiled call reads the wrapping again only when what it depends on changed, and the functional calls
+pick in the same module."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_functional_calls_pick_in_the_same_room():
 
 def test_has_forward_context_says_whether_a_strategy_has_one():
     """A strategy without a forward context reads its call's tensors before its step and has nothing to exit
-    (``Strategy.opened``): the flag must say which strategies override ``forward_context``. A layered strategy's is
-    its inner one's."""
+    (``Strategy.prepare_call``): the flag must say which strategies override ``forward_context``. A layered
+    strategy's is its inner one's."""
     for cls in selection.STRATEGIES.values():
         if cls.__init__ is Strategy.__init__:
             assert cls.has_forward_context == (cls.forward_context is not Strategy.forward_context), cls.name

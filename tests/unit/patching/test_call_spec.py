@@ -1,8 +1,8 @@
-"""One tiled call takes one step into each package it needs (``patching/call_spec.py``): the strategy's
-(``Strategy.opened``: its forward context, the slots' tensors read, checked and made local), the form's
+"""One tiled call takes one call into each package it needs (``patching/call_spec.py``): the strategy's
+(``Strategy.prepare_call``: its forward context, the slots' tensors read, checked and made local), the form's
 (``FormSpec.tile_call``: the form and its cut), then the tiled function; and what follows from fixed facts (the
 slots' index map, the layout over the unique tensors; the cut, from the call's sizes) is decided once per identity
-pattern of the slots' tensors or per sizes (``forms/spec.py``, design note), made again when a parameter is replaced
+pattern of the slots' tensors or per sizes (``forms/spec.py``, [Note: a form decided once, checked cheaply]), made again when a parameter is replaced
 or tied after ``enable_tiling``, or a call's sizes change."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_a_call_takes_one_step_into_the_strategy_and_one_into_the_form():
     x = torch.randn(1, 16, 32, requires_grad=True)
     mlp(x)  # the first call decides what can be decided
     strategy = state.choice.strategy(mlp)
-    went = moves(lambda: state.spec(strategy.opened, mlp, None, x))
+    went = moves(lambda: state.spec(strategy.prepare_call, mlp, None, x))
     assert went[("patching", "distributed")] == 1
     assert went[("distributed", "forms")] == 1
     assert went[("patching", "forms")] == 1
@@ -56,9 +56,10 @@ def test_a_call_takes_one_step_into_the_strategy_and_one_into_the_form():
 def test_a_patched_call_enters_each_package_once_besides_the_shards():
     """The whole patched call (``forwards._tiled_forward``), issue 43's "one call walks down once":
 
-    * ``distributed/`` once: ``auto``'s cached choice and the strategy's step are one trip (``StrategyChoice.opened``),
-      and a strategy without a forward context has none to exit; the hooked-children check takes none while no child
-      has a hook (before: five trips, for the hooks check, the choice, the step, the finish and the exit; then two);
+    * ``distributed/`` once: ``auto``'s cached choice and the strategy's step are one call
+      (``StrategyChoice.prepare_call``), and a strategy without a forward context has none to exit; the
+      hooked-children check takes none while no child has a hook (before: five trips, for the hooks check, the
+      choice, the step, the finish and the exit; then two);
     * ``forms/`` once from there: the slots read once, for the choice's key and the call (before: twice);
     * ``core/`` once from the patched forward, for the tiled function: the re-entrance check reads ``SHARD_DEPTH``
       (before: a trip to ``in_shard``); and once from the form's step, for its tile call: the cut is remembered per

@@ -151,15 +151,15 @@ def test_ranks_on_one_host_share_its_memory(monkeypatch):
     """The default host budget is this process's share of the host: torchrun's ``LOCAL_WORLD_SIZE`` ranks each plan
     their own steps against the same memory. A model on the CPU computes in that share (its device budget; offloading
     saves nothing there: its host budget is 0)."""
-    from tiledmlp.plan import plans
+    from tiledmlp.plan import budgets
 
-    monkeypatch.setattr(plans, "available_host_bytes", lambda: (64 << 30) + plans.HOST_MARGIN)
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: (64 << 30) + budgets.HOST_MARGIN)
     model = llama()
     on_meta = torch.nn.Linear(2, 2, device="meta")  # a model on an accelerator: no device budget to read here
-    assert plans.budgets(model) == (64 << 30, 0) and plans.budgets(on_meta) == (None, 64 << 30)
+    assert budgets.budgets(model) == (64 << 30, 0) and budgets.budgets(on_meta) == (None, 64 << 30)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert plans.budgets(model) == (8 << 30, 0) and plans.budgets(on_meta)[1] == 8 << 30
-    assert plans.budgets(model, gpu_mib=512, host_mib=1024) == (1 << 29, 1 << 30)  # given budgets stand
+    assert budgets.budgets(model) == (8 << 30, 0) and budgets.budgets(on_meta)[1] == 8 << 30
+    assert budgets.budgets(model, gpu_mib=512, host_mib=1024) == (1 << 29, 1 << 30)  # given budgets stand
 
 
 def test_a_plan_with_projections_says_it_does_not_model_them(caplog):

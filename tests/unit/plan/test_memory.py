@@ -213,14 +213,14 @@ def test_refusals_name_the_fix():
 def test_default_host_budget_counts_the_buffers_already_pinned(monkeypatch):
     """After a step, the offloader's pool is host memory the next steps reuse: not taken from their budget."""
     from tiledmlp.offload import checkpointing
-    from tiledmlp.plan import plans
+    from tiledmlp.plan import budgets
 
-    monkeypatch.setattr(plans, "available_host_bytes", lambda: 10 << 30)
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: 10 << 30)
     monkeypatch.setattr(checkpointing, "_OFFLOADERS", {})
     model = meta_model("1b", 1)
-    assert plans.budgets(model)[1] == (10 << 30) - plans.HOST_MARGIN
+    assert budgets.budgets(model)[1] == (10 << 30) - budgets.HOST_MARGIN
     checkpointing.offloader_for(torch.device("meta")).stats["host_bytes"] = 3 << 30
-    assert plans.budgets(model)[1] == (13 << 30) - plans.HOST_MARGIN
+    assert budgets.budgets(model)[1] == (13 << 30) - budgets.HOST_MARGIN
 
 
 def test_the_plan_counts_in_plain_words():

@@ -5,7 +5,7 @@ group), a layer's recompute where it keeps its attention output, and a layer's b
 
 ``tests/unit/plan/test_memory.py`` checks the plan against measured peaks; a moment that no measured row has as its
 peak could lose a term there and no test notice. Here each moment is made the peak by its inputs, and each of its
-terms is written out from what it counts (the design note of ``tiledmlp/plan/memory.py``), never from the plan's own
+terms is written out from what it counts (``tiledmlp/plan/memory.py``, [Note: what is counted, where the peak is]), never from the plan's own
 functions."""
 
 from __future__ import annotations
