@@ -36,7 +36,9 @@ Variants (the same model object, re-configured between them):
 ``--optimizer`` (``benchmarks/optimizer_step.py``): each variant with each optimizer given (``none``: forward +
 backward only; ``adamw``, torch's fused AdamW as the Trainer builds it; ``adamw-foreach``; ``adamw8bit``; a placement
 after a colon: ``adamw:backward``, ``adamw:host``, ``adamw:auto``); a step is then forward, backward,
-``optimizer.step()`` and ``zero_grad()``, all of it timed and in the peak. ``--scale-to N``: the model has
+``optimizer.step()`` and ``zero_grad()``, all of it timed and in the peak; ``--states-first`` makes the optimizer's
+states before the measured steps (a step on zero gradients, which moves no weight), so one step shows a later step's
+peak. ``--scale-to N``: the model has
 ``--layers`` of the shape's N layers, and ``--gpu-mib`` / ``--host-mib`` (default: what the process may use) are the
 whole N-layer model's budgets, scaled to the layers run (the missing layers' weights and optimizer states off the
 device budget; the host budget's share for layer inputs scaled by layers / N, plus the run's optimizer host bytes);
@@ -83,7 +85,7 @@ import tiledmlp  # noqa: E402
 from tiledmlp.core.compat import enable_checkpointing  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
 from bench_mlp import bench_device, parse_variants, run_or_status  # noqa: E402
-from optimizer_step import NONE, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
+from optimizer_step import NONE, make_states, optimizer_for, parse_optimizers, split, training_steps  # noqa: E402
 from optimizer_step import sync  # noqa: E402, F401 (other benchmarks import it from here)
 from tiledmlp.optimizers.spec import spec_named  # noqa: E402
 from tiledmlp.plan.optimizer import optimizer_memory  # noqa: E402
@@ -267,6 +269,8 @@ def run_variant(model: nn.Module, variant: str, tokens: int, args, device: torch
     steps = args.steps if tokens <= args.multi_step_max else 1
     free(model, device)
     optimizer = optimizer_for(model, optimizer_choice)
+    if getattr(args, "states_first", False) and optimizer is not None:
+        make_states(optimizer)  # before the peak is reset: the measured steps hold them as later steps do
     reset_host_peak()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -352,6 +356,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--loop", choices=("trainer", "accelerate"), default="trainer",
                         help="trainer: only the loss kept through backward; accelerate: the whole output kept, "
                              "outputs = model(**batch); outputs.loss.backward() (default trainer)")
+    parser.add_argument("--states-first", action="store_true",
+                        help="make the optimizer's states before the measured steps (a step on zero gradients that "
+                             "moves no weight), so that one step shows a later step's peak (torch's optimizers)")
     parser.add_argument("--scale-to", type=int, default=None,
                         help="the whole model's layers: --layers of them run within their share of the budgets")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 on a CPU: checks the script")

@@ -89,6 +89,7 @@ from tiledmlp.plan.shapes import device_bytes, kept_on_host, local_bytes  # noqa
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
 from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, reset_host_peak  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
+from optimizer_step import make_states  # noqa: E402
 from reporting import fmt, gpu_slug, save_results  # noqa: E402
 from row_outcomes import RowOutcomes  # noqa: E402
 
@@ -237,17 +238,6 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
     return {"step_s": stats[0].item(), "peak_gib": stats[1].item() if device.type == "cuda" else math.nan,
             "host_gib": stats[2].item(), "host_rss_gib": stats[3].item(), "loss": values[-1].item(),
             "losses": ";".join(f"{v:.4f}" for v in values.tolist()), "grads": grads}
-
-
-def make_states(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer``'s states before the measured steps, with a step on zero gradients: every step after a
-    training run's first holds them, and the first makes them only in its ``optimizer.step()``, after backward's peak.
-    AdamW's update of a zero gradient is zero and this one has no weight decay, so no weight moves."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def layer_device_bytes(layer: nn.Module, optimizer: str) -> int:

@@ -76,6 +76,22 @@ def training_steps(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
             "loss": losses[-1]}
 
 
+def make_states(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer``'s states before the measured steps, with a step on zero gradients: every step after a
+    training run's first holds them, and the first makes them only in its ``optimizer.step()``, after backward's peak.
+    AdamW's update of a zero gradient is zero and these have no weight decay, so no weight moves. torch's own
+    optimizers only (stepped in backward or on the host, the step would not be the one measured)."""
+    if not type(optimizer).__module__.startswith("torch.optim") or any(
+            group.get("weight_decay") for group in optimizer.param_groups):
+        raise ValueError(f"make_states: {type(optimizer).__name__} is not one of torch's optimizers without weight "
+                         "decay, whose zero-gradient step moves no weight")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def optimizer_for(model: nn.Module, choice: str) -> Optional[torch.optim.Optimizer]:
     """The optimizer ``choice`` for a model tiled with ``enable_tiling(..., optimizer=name, optimizer_placement=...)``
     (the placement its plan chose where ``choice`` says ``auto``); None for ``none``."""

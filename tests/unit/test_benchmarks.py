@@ -263,3 +263,18 @@ def test_walk_one_call_follows_a_tiled_call_through_the_packages():
     # folded: the form's two shards are one loop, walked twice
     assert "(forms > kernels > forms > core) x2" in result["folded"]["walk"]
     assert result["folded"]["moves"] < result["moves"]
+
+
+def test_states_first_makes_the_states_and_moves_no_weight():
+    """``--states-first`` (``optimizer_step.make_states``): the measured steps hold AdamW's states as a later step
+    does, and no weight moved making them; an optimizer whose zero-gradient step would move weights is refused."""
+    from optimizer_step import make_states
+
+    model = torch.nn.Linear(8, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+    make_states(optimizer)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(set(optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} and p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="weight decay"):
+        make_states(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01))

@@ -201,10 +201,12 @@ def test_the_recompute_runs_are_even():
 
 RESULTS = ROOT / "benchmarks" / "results"
 #: one H200: 2 layers of the 8B and 1B shapes at 16K-128K with each optimizer and placement (offload="cpu"); the 8B
-#: shape at full depth at 128K and scaled at 800K and 1.2M (offload="auto", the optimizer where the plan put it)
+#: shape at full depth at 128K and 384K (its states made first: a later step's peak) and scaled at 800K and 1.2M
+#: (offload="auto", the optimizer where the plan put it)
 TRAINING_STEPS = sorted([*RESULTS.glob("bench_longctx_nvidia-h200_*_optim_2l.csv"),
                          *RESULTS.glob("bench_longctx_nvidia-h200_8b_scaled_2l_*.csv"),
-                         RESULTS / "bench_longctx_nvidia-h200_8b_32l_128k_adamw.csv"])
+                         RESULTS / "bench_longctx_nvidia-h200_8b_32l_128k_adamw.csv",
+                         RESULTS / "bench_longctx_nvidia-h200_8b_32l_384k_adamw_states_first.csv"])
 
 
 def training_step_rows() -> list[tuple[str, int, dict]]:
