@@ -3,8 +3,9 @@
 #
 #   launch/run_distributed_tests.sh [NPROC] [pytest args...]
 #   launch/run_distributed_tests.sh 2 tests/distributed/test_sp.py -k ulysses   # paths given replace the suite's
-#   launch/run_distributed_tests.sh 2 -n 4 --dist loadfile   # pytest-xdist: 4 workers, one file's launch each, sharing
-#                                                            # the GPUs (2 x H100: 6 min 20 s instead of 17 min)
+#   launch/run_distributed_tests.sh 2 -n 4 --dist loadgroup  # pytest-xdist: 4 workers, one launch's tests each
+#                                                            # (a matrix launch's or a file's: see its conftest.py),
+#                                                            # sharing the GPUs (2 x H100, by file: 6 min 20 s, not 17)
 #
 # With GPUs: NPROC processes, one per GPU, NCCL (default: all GPUs). Without: NPROC CPU processes,
 # gloo (default 2). Every case trains the same model untiled and tiled under the same wrapper and

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
-from cases_sp import LR, MICRO, _rel, batches, llama, reference
-from common import Env, registry
-from trainer_run import trainer_run
+from .cases_sp import LR, MICRO, _rel, batches, llama, reference
+from .common import Env, registry
+from .trainer_run import trainer_run
 
 CASES, case = registry()
 # torch's ring merges each step's log-sum-exp with its running one; the efficient-attention kernel (float32 here)

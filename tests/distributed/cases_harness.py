@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common import Env, registry
+from .common import Env, registry
 
 CASES, case = registry()
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
-from common import Env, registry
-from models import tiny_llama
-from trainer_run import trainer_run
+from .common import Env, registry
+from .models import tiny_llama
+from .trainer_run import trainer_run
 from tiledmlp.attention.layers import attention_layers
 from tiledmlp.core.compat import enable_checkpointing
 

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 cases of a tiled loss head's logits, run by ``worker.py`` on 2 processes (``test_zero3_logits.py``):
 ``out.logits`` read after the forward (the head partitioned again), through ``compute_metrics`` under the
-``Trainer``, and kept past an optimizer step. (The training machinery is ``cases_deepspeed.py``'s.)
+``Trainer``, and kept past an optimizer step. (The training machinery is ``zero.py``'s.)
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Callable
 import torch
 
 import tiledmlp
-from cases_deepspeed import freeze_embeddings, config, llama, train, untiled_vs_tiled
-from cases_hf import VOCAB as HF_VOCAB, lora_llama
-from common import Batch, Env, compare, enable, hf_batches, registry, total_update_error
+from .common import Batch, Env, compare, enable, hf_batches, registry, total_update_error
+from .models import HF_VOCAB, lora_llama, tiny_llama
+from .zero import config, freeze_embeddings, train, untiled_vs_tiled
 
 CASES, case = registry()
 
@@ -41,7 +41,7 @@ def zero3_logits_read(env: Env) -> dict[str, Any]:
     LoRA with frozen embeddings, and bf16 with a gradient through the logits. Per variant: the training metrics and
     the logits' largest relative difference from untiled's (bf16: both runs' distances from a float32 run)."""
     variants = {
-        "after_initialize": (llama(), dict(tile=enable(loss=True, tile_tokens=16))),
+        "after_initialize": (tiny_llama, dict(tile=enable(loss=True, tile_tokens=16))),
         "lora_frozen_embeddings": (lora_llama, dict(tile=enable(tile_tokens=16), tile_before=True,
                                                     freeze=freeze_embeddings)),
     }
@@ -53,9 +53,9 @@ def zero3_logits_read(env: Env) -> dict[str, Any]:
         metrics[name]["logits_rel"] = _max_rel(seen["tiled"], seen["untiled"])
     fp32: dict[str, list[torch.Tensor]] = {}
     bf16: dict[str, list[torch.Tensor]] = {}
-    ref, _ = train(env, llama(), config(3, env), batches, _reading_logits(fp32, True), tiled=False)
-    untiled, _ = train(env, llama(), config(3, env, bf16=True), batches, _reading_logits(bf16, True), tiled=False)
-    tiled, _ = train(env, llama(), config(3, env, bf16=True), batches, _reading_logits(bf16, True), tiled=True,
+    ref, _ = train(env, tiny_llama, config(3, env), batches, _reading_logits(fp32, True), tiled=False)
+    untiled, _ = train(env, tiny_llama, config(3, env, bf16=True), batches, _reading_logits(bf16, True), tiled=False)
+    tiled, _ = train(env, tiny_llama, config(3, env, bf16=True), batches, _reading_logits(bf16, True), tiled=True,
                      tile=enable(tile_tokens=16), tile_before=True)
     result = compare(untiled, tiled)
     result.update(bf16_noise=total_update_error(untiled, ref), tiled_error=total_update_error(tiled, ref),
@@ -76,7 +76,7 @@ def _trainer_evaluation(env: Env, tiled: bool) -> dict[str, float]:
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    model = llama()()
+    model = tiny_llama()
     if tiled:
         tiledmlp.enable_tiling(model, tile_tokens=16)
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def _stale_logits_refused(env: Env) -> str:
         kept.append(out.logits)
         return out.loss
 
-    train(env, llama(), config(3, env), hf_batches(env, HF_VOCAB, steps=1), loss_of, tiled=True,
+    train(env, tiny_llama, config(3, env), hf_batches(env, HF_VOCAB, steps=1), loss_of, tiled=True,
           tile=enable(tile_tokens=16))
     try:
         kept[0].sum()

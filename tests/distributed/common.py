@@ -1,10 +1,11 @@
-"""Worker-side pieces of the distributed suite: process group, tiny models, data, one training run, and
-the measurements a case reports.
+"""Worker-side pieces of the distributed suite: process group, data, one training run, and the measurements a case
+reports.
 
 Every case trains the same model twice under the same wrapper — untiled, then tiled — from the same
 seed, on the same rank-dependent batches, and reports how far the tiled run's parameters are from the
-untiled run's, how many collectives each run issued per micro-batch, and how many shards tiling cut.
-The pytest side (``harness.py`` and the ``test_*.py`` files) asserts on those numbers.
+untiled run's, how many collectives each run issued per micro-batch, and how many shards tiling cut
+(``counters.py``). The pytest side (``harness.py``, ``checks.py`` and the ``test_*.py`` files) asserts on those
+numbers.
 
 Runs on CPU with gloo, or on GPUs with NCCL (one process per GPU) when CUDA is available;
 ``TILEDMLP_TEST_DEVICE=cpu`` forces gloo on a GPU machine.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import gc
 import math
 import os
@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
+
+from .counters import BackwardReentryCounter, CollectiveCounter, count_shards
+from .models import HIDDEN, VOCAB
 
 Batch = dict[str, torch.Tensor]
 
@@ -83,128 +86,6 @@ def registry() -> tuple[dict[str, CaseFn], Callable[[CaseFn], CaseFn]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: Llama-shaped, tiny. Sizes make tiling split every call into several uneven shards.
-
-HIDDEN, INTER, VOCAB, LAYERS = 32, 88, 64, 2
-
-
-class GLUMLP(nn.Module):
-    """Llama's MLP: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    """A decoder layer stand-in: a causal running mean over tokens in attention's place, then the MLP."""
-
-    def __init__(self, mlp: Callable[[], nn.Module] = GLUMLP) -> None:
-        super().__init__()
-        self.mix_norm = nn.RMSNorm(HIDDEN)
-        self.mix = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.mlp_norm = nn.RMSNorm(HIDDEN)
-        self.mlp = mlp()
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        z = self.mix_norm(h)
-        steps = torch.arange(1, z.shape[1] + 1, device=z.device, dtype=z.dtype)
-        h = h + self.mix(z.cumsum(1) / steps[:, None])
-        return h + self.call_mlp(self.mlp_norm(h))
-
-    def call_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x)
-
-
-class TinyLM(nn.Module):
-    """Embedding, ``LAYERS`` blocks, norm, head; ``forward(ids, labels)`` returns the LM loss.
-
-    ``unused=True`` adds a module that forward never calls, for ``find_unused_parameters``.
-    """
-
-    def __init__(self, unused: bool = False, block: Callable[[], nn.Module] = Block) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
-        self.unused = nn.Linear(HIDDEN, HIDDEN) if unused else None
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.head(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-class MLPFirst(nn.Module):
-    """The MLP is the first op of forward, so its gradients are the last ones DDP's reducer waits for."""
-
-    def __init__(self, mlp: Optional[nn.Module] = None) -> None:
-        super().__init__()
-        self.mlp = mlp if mlp is not None else GLUMLP()
-        self.head = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.head(self.mlp(x)), y)
-
-
-class ApplyBlock(Block):
-    """A block that, once ``use_apply`` is set, calls its (unpatched) MLP through
-    ``apply_tiled_mlp(fn, mlp, x, ddp_safe=True)``. The default ``fn`` calls the module, as Liger's and
-    DeepSpeed's users write it."""
-
-    use_apply = False
-
-    @staticmethod
-    def fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x)
-
-    def call_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_apply:
-            return self.mlp(x)
-        return tiledmlp.apply_tiled_mlp(self.fn, self.mlp, x, num_shards=3, ddp_safe=True)
-
-
-class ForwardApplyBlock(ApplyBlock):
-    """``fn`` computes with the MLP's forward, not its ``__call__`` (what FSDP2 units need)."""
-
-    @staticmethod
-    def fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return type(mlp).forward(mlp, x)
-
-
-class ApplyInForwardMLP(GLUMLP):
-    """Liger's pattern: the MLP's own forward calls ``apply_tiled_mlp`` on itself once ``use_apply``."""
-
-    use_apply = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_apply:
-            return super().forward(x)
-        return tiledmlp.apply_tiled_mlp(GLUMLP.forward, self, x, num_shards=3)
-
-
-def use_apply(model: nn.Module) -> None:
-    """The tiling of the ``apply_tiled_mlp`` models: switch their modules to the functional form."""
-    for m in model.modules():
-        if hasattr(m, "use_apply"):
-            m.use_apply = True
-
-
-def mlp_only_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Loss for a model that is nothing but the MLP (its parameters are the only ones DDP has)."""
-    return F.mse_loss(model(batch["x"]), batch["y"])
-
-
-# ----------------------------------------------------------------------------------------------
 # Data: different on every rank; sequence lengths differ per rank and per step (so shard counts do)
 
 
@@ -250,136 +131,9 @@ def float_batches(env: Env, steps: int = 3, batch: int = 2) -> list[list[Batch]]
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Instrumentation
-
-#: Every collective FSDP1/FSDP2/DDP could issue from Python (names vary across torch versions).
-_COLLECTIVES = {
-    "all_reduce": ("all_reduce", "all_reduce_coalesced"),
-    "all_gather": ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
-                   "all_gather_coalesced"),
-    "reduce_scatter": ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"),
-    "broadcast": ("broadcast", "_broadcast_coalesced"),
-}
-
-
-class CollectiveCounter:
-    """Counts collectives per micro-batch: Python-level ``torch.distributed`` calls (FSDP1, FSDP2) by
-    wrapping the module's functions, and DDP's bucket all-reduces through a communication hook (the
-    reducer calls the process group from C++, so only the hook sees them)."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self.per_micro_batch: list[dict[str, int]] = []
-
-    def _bump(self, kind: str) -> None:
-        self._counts[kind] = self._counts.get(kind, 0) + 1
-
-    def mark(self) -> None:
-        """Close the current micro-batch's tally."""
-        self.per_micro_batch.append(dict(sorted(self._counts.items())))
-        self._counts = {}
-
-    def hook_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        # No annotations: DDP checks them against the real types, and this module's are strings.
-        def counting_allreduce(state, bucket):  # noqa: ANN001, ANN202
-            self._bump("ddp_bucket_all_reduce")
-            return allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(None, counting_allreduce)
-
-    @contextlib.contextmanager
-    def patch_dist(self) -> Iterator[None]:
-        saved = {}
-        for kind, names in _COLLECTIVES.items():
-            for name in names:
-                fn = getattr(dist, name, None)
-                if fn is None:
-                    continue
-                saved[name] = fn
-                setattr(dist, name, self._counting(kind, fn))
-        try:
-            yield
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
-
-    @contextlib.contextmanager
-    def count_dtensor(self, enabled: bool) -> Iterator[None]:
-        """Count DTensor's functional collectives (tensor parallelism), which bypass ``torch.distributed``'s
-        Python functions, with ``CommDebugMode`` (a dispatch mode, so backward's are counted too)."""
-        if not enabled:
-            yield
-            return
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        with CommDebugMode() as mode:
-            yield
-        for op, n in mode.get_comm_counts().items():
-            if "c10d_functional" in str(op):
-                self._counts["dtensor_" + str(op).rsplit(".", 1)[-1]] = n
-
-    def _counting(self, kind: str, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            self._bump(kind)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-
-@contextlib.contextmanager
-def count_shards(enabled: bool) -> Iterator[dict[str, int]]:
-    """``{"calls", "shards"}`` of tiled forwards inside the block, counted at the core's
-    ``record_function`` labels. Counted directly, not read back from a profiler trace: a CPU profiler
-    trace of a gloo run sometimes came back without the ranges (about one run in ten), which made a
-    count of 0 look like "no shards"."""
-    from unittest import mock
-
-    import tiledmlp.core.function
-    import tiledmlp.patching.forwards
-
-    found = {"calls": 0, "shards": 0}
-    if not enabled:
-        yield found
-        return
-    labels = {"tiledmlp::forward": "calls", "tiledmlp::forward_shard": "shards"}
-
-    def counting(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name in labels:
-            found[labels[name]] += 1
-        return torch.profiler.record_function(name, *args, **kwargs)
-
-    # The eager path labels in core/function.py, the compiled one (the custom operator's body) in patching/forwards.py.
-    with contextlib.ExitStack() as stack:
-        for module in (tiledmlp.core.function, tiledmlp.patching.forwards):
-            stack.enter_context(mock.patch.object(module, "record_function", counting))
-        yield found
-
-
-class BackwardReentryCounter:
-    """Counts ``__call__`` of the given modules (by name) while autograd runs a backward pass.
-
-    The anchors call the MLP module inside backward; under FSDP2 that re-enters a unit's hooks.
-    """
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.counts = dict.fromkeys(modules, 0)
-        # one hook for every module, which finds the module's name itself: a hook bound to each name (a partial)
-        # makes torch 2.10's Dynamo guard each compiled block on its own name, and compile every block again
-        self._names = {id(m): name for name, m in modules.items()}
-        self._handles = [m.register_forward_pre_hook(self._hook, prepend=True) for m in modules.values()]
-
-    def _hook(self, module: nn.Module, args: Any) -> None:
-        # Compiled forwards are never inside a backward (and Dynamo cannot trace the task id).
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            self.counts[self._names[id(module)]] += 1
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+def mlp_only_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Loss for a model that is nothing but the MLP (its parameters are the only ones DDP has)."""
+    return F.mse_loss(model(batch["x"]), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------

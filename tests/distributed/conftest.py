@@ -1,12 +1,28 @@
-"""Distributed suite: a header with the launch configuration and a per-case table at the end."""
+"""Distributed suite: a header with the launch configuration, the tests of one launch kept together under pytest-xdist,
+and a per-case table at the end."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .harness import REPORT, default_nproc, on_gpu
+
+
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """pytest-xdist's ``--dist loadgroup`` keeps the tests of one launch on one worker: a matrix launch's
+    (``test_matrix.py``), else a test file's (each launches its cases once). A matrix test answers ``-k`` to its
+    launch too, ``launch_<name>`` (``-k launch_zero_2proc``: the DeepSpeed cases on two ranks)."""
+    import pytest
+
+    for item in [item for item in items if Path(item.path).is_relative_to(Path(__file__).parent)]:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        launch = params.get("launch")
+        item.add_marker(pytest.mark.xdist_group(launch.name if hasattr(launch, "name") else item.path.stem))
+        if hasattr(launch, "name"):
+            item.extra_keyword_matches.add("launch_" + launch.name.replace("-", "_"))
 
 
 def pytest_report_header(config: Any) -> str:

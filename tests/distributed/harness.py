@@ -248,7 +248,7 @@ def assert_all_checked(suite: Suite, checked: set[str]) -> None:
 
 
 def assert_compiled_like_untiled(metrics: list[dict[str, Any]]) -> None:
-    """A compiled case (``cases_ddp.with_graph_counts``): on every rank the tiled blocks compiled into as many
+    """A compiled case (``runs.with_graph_counts``): on every rank the tiled blocks compiled into as many
     graphs as the untiled ones (tiling adds no graph break) and their graphs hold the tiled operator."""
     for rank, m in enumerate(metrics):
         untiled, tiled = m["compiled_graphs"]

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tiledmlp
 
-from .common import HIDDEN, GLUMLP as MLP
+from .models import HIDDEN, GLUMLP as MLP
 
 pytestmark = pytest.mark.distributed
 

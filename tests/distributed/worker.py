@@ -1,7 +1,8 @@
-"""torchrun entry point of the distributed suite: every rank runs the named cases of one cases module.
+"""torchrun entry point of the distributed suite: every rank runs the named cases of one launch of the matrix
+(``matrix:<launch>``, ``matrix.py``) or of one cases module (its ``CASES``).
 
     python -m torch.distributed.run --standalone --nproc-per-node N \\
-        tests/distributed/worker.py CASES_MODULE OUT_DIR [CASE ...]
+        tests/distributed/worker.py matrix:LAUNCH|CASES_MODULE OUT_DIR [CASE ...]
 
 After each case every rank rewrites ``OUT_DIR/rank<r>.json`` with ``{case: {"status": "ok" | "error" |
 "not_run", "metrics" | "traceback" | "reason": ..., "seconds": ...}}``, so results survive a
@@ -24,7 +25,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from common import CaseFn, Env, init_env
+# The suite's modules are the package tests.distributed, as pytest imports them: the checkout's root on the path, and
+# not this folder (its modules' names would hide any library's of the same name).
+sys.path[:] = [str(Path(__file__).resolve().parents[2])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from tests.distributed.common import CaseFn, Env, init_env  # noqa: E402
 
 #: per-collective timeout: a rank waiting on a failed peer gives up after this long
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TILEDMLP_TEST_COLLECTIVE_TIMEOUT", "60"))
@@ -38,12 +44,14 @@ def _run_one(case: CaseFn, env: Env) -> dict[str, Any]:
 
 
 def main() -> None:
-    module_name, out_dir, *names = sys.argv[1:]
+    what, out_dir, *names = sys.argv[1:]
     env = init_env(COLLECTIVE_TIMEOUT_S)
-    cases: dict[str, CaseFn] = importlib.import_module(module_name).CASES
+    module_name, _, launch = what.partition(":")
+    module = importlib.import_module(f"tests.distributed.{module_name}")
+    cases: dict[str, CaseFn] = module.cases(launch) if launch else module.CASES
     unknown = [n for n in names if n not in cases]
     if unknown:
-        raise SystemExit(f"unknown cases {unknown} in {module_name}; known: {sorted(cases)}")
+        raise SystemExit(f"unknown cases {unknown} in {what}; known: {sorted(cases)}")
     control = dist.new_group(backend="gloo")  # statuses travel here even when NCCL is broken
     out = Path(out_dir) / f"rank{env.rank}.json"
     results: dict[str, Any] = {}

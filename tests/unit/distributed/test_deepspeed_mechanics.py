@@ -1,6 +1,6 @@
-"""The DeepSpeed strategy's single-process mechanics that need no engine (the engine cases are in
-``tests/distributed/test_deepspeed.py``): reading parameters without ZeRO-3's gathering getter, telling
-ZeRO-3's hooks from a user's, and refusing AutoTP projections before anything is patched."""
+"""The DeepSpeed strategy's single-process mechanics that need no engine (the engine cases are the ``zero*`` rows of
+``tests/distributed/matrix.py``): reading parameters without ZeRO-3's gathering getter, telling ZeRO-3's hooks from a
+user's, and refusing AutoTP projections before anything is patched."""
 
 from __future__ import annotations
 

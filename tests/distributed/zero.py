@@ -1,34 +1,34 @@
-"""DeepSpeed ZeRO 1/2/3 cases, run by ``worker.py`` (1 or 2 processes; gloo on CPU, NCCL on GPUs).
+"""DeepSpeed's engine as a column of the matrix (:class:`ZeRO`, ZeRO 1/2/3; 1 or 2 processes, gloo on CPU, NCCL on
+GPUs), and its cases of their own kind.
 
-Each case builds the same model twice from seed 0 — untiled, then tiled — wraps each in a
-``DeepSpeedEngine`` with the same config and a torch optimizer (DeepSpeed's CPU Adam would compile a C++
-op), trains both with ``engine.backward`` / ``engine.step`` over steps of varying, rank-dependent sequence
-length (and gradient accumulation), and reports the common metrics (``common.compare``) plus, per
-micro-batch, how many times each parameter was all-gathered in forward and in backward, every collective
-the rank issued, and how often ZeRO's reduction hook saw each parameter. ZeRO-3 runs with every
-parameter partitioned (``stage3_param_persistence_threshold: 0``), no prefetch and no reuse, so the counts
-are the untiled module's exactly.
+Each case builds the same model twice from seed 0 — untiled, then tiled — wraps each in a ``DeepSpeedEngine`` with
+the same config and a torch optimizer (DeepSpeed's CPU Adam would compile a C++ op), trains both with
+``engine.backward`` / ``engine.step`` over steps of varying, rank-dependent sequence length (and gradient
+accumulation), and reports the common metrics (``common.compare``) plus, per micro-batch, how many times each parameter
+was all-gathered in forward and in backward, every collective the rank issued, and how often ZeRO's reduction hook saw
+each parameter. ZeRO-3 runs with every parameter partitioned (``stage3_param_persistence_threshold: 0``), no prefetch
+and no reuse, so the counts are the untiled module's exactly.
 """
 
 from __future__ import annotations
 
 import collections
 import gc
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import deepspeed
 import torch
 from torch import nn
 
 import tiledmlp
-from cases_hf import (VOCAB as HF_VOCAB, hf_loss, lora_llama, lora_llama_everywhere, mixtral, qlora_llama,
-                      tile_before_adapters, tile_lora, tile_projections)
-from common import (HIDDEN, ApplyBlock, Batch, BackwardReentryCounter, CollectiveCounter, Env, Run, TinyLM, compare,
-                    count_shards, enable, hf_batches, registry, relative_difference, token_batches, total_update_error,
-                    use_apply)
-from models import tiny_llama
 
-CASES, case = registry()
+from .common import Batch, Env, Run, compare, enable, relative_difference, token_batches, total_update_error
+from .counters import BackwardReentryCounter, CollectiveCounter, count_shards
+from .models import TinyLM
+from .wrappers import ZERO_1PROC, ZERO_2PROC, Launch, Model, Wrapper
+
+if TYPE_CHECKING:
+    from .matrix import Case
 
 
 def config(stage: int, env: Env, gas: int = 1, bf16: bool = False, **zero: Any) -> dict[str, Any]:
@@ -41,16 +41,12 @@ def config(stage: int, env: Env, gas: int = 1, bf16: bool = False, **zero: Any) 
             "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def tiny_lm() -> nn.Module:
-    return TinyLM()
-
-
-def tiny_loss(engine: nn.Module, batch: Batch) -> torch.Tensor:
+def positional_loss(engine: nn.Module, batch: Batch) -> torch.Tensor:
     return engine(batch["ids"], batch["labels"])
 
 
-def llama(tied: bool = False) -> Callable[[], nn.Module]:
-    return lambda: tiny_llama(vocab_size=HF_VOCAB, hidden_size=HIDDEN, tie_word_embeddings=tied)
+#: the tiny LM as the engine's cases call it
+TINY_LM = Model(TinyLM, loss_of=positional_loss)
 
 
 class GatherCounter:
@@ -88,6 +84,8 @@ class GatherCounter:
 
 
 def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    import deepspeed
+
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=hasattr(params[0], "ds_id")):
         return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
@@ -110,6 +108,8 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
           freeze: Callable[[nn.Module], None] = lambda m: None,
           optimizer_of: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = sgd) -> tuple[Run, GatherCounter]:
     """Build from seed 0, (tile,) ``deepspeed.initialize``, (tile,) and train over ``batches``."""
+    import deepspeed
+
     gc.collect()
     torch.manual_seed(0)
     model = build().to(env.device)
@@ -148,7 +148,7 @@ def train(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches
 
 
 def untiled_vs_tiled(env: Env, build: Callable[[], nn.Module], cfg: dict[str, Any], batches: list[list[Batch]],
-                     loss_of: Callable[[Any, Batch], torch.Tensor] = hf_loss, **options: Any) -> dict[str, Any]:
+                     loss_of: Callable[[Any, Batch], torch.Tensor], **options: Any) -> dict[str, Any]:
     untiled = {key: options[key] for key in ("freeze", "optimizer_of") if key in options}
     ref, ref_gathers = train(env, build, cfg, batches, loss_of, tiled=False, **untiled)
     got, got_gathers = train(env, build, cfg, batches, loss_of, tiled=True, **options)
@@ -158,146 +158,48 @@ def untiled_vs_tiled(env: Env, build: Callable[[], nn.Module], cfg: dict[str, An
     return metrics
 
 
-def _tiny(env: Env, stage: int, gas: int = 2, **options: Any) -> dict[str, Any]:
-    return untiled_vs_tiled(env, tiny_lm, config(stage, env, gas=gas), token_batches(env, micro=gas), tiny_loss,
-                            **options)
-
-
-@case
-def zero1_tiny(env: Env) -> dict[str, Any]:
-    return _tiny(env, 1)
-
-
-@case
-def zero2_tiny(env: Env) -> dict[str, Any]:
-    return _tiny(env, 2)
-
-
-@case
-def zero3_tiny(env: Env) -> dict[str, Any]:
-    return _tiny(env, 3)
-
-
-@case
-def zero3_tile_before_initialize(env: Env) -> dict[str, Any]:
-    return _tiny(env, 3, tile_before=True)
-
-
-@case
-def zero2_tile_before_initialize(env: Env) -> dict[str, Any]:
-    return _tiny(env, 2, tile_before=True)
-
-
-@case
-def zero3_generic_form(env: Env) -> dict[str, Any]:
-    return _tiny(env, 3, tile=lambda m: tiledmlp.enable_tiling(m, form="generic", tile_tokens=16))
-
-
-@case
-def zero3_apply_tiled_mlp(env: Env) -> dict[str, Any]:
-    """DeepSpeed's TiledMLP call: the block calls ``apply_tiled_mlp(fn, mlp, x)`` with ``fn`` calling the
-    module (its children carry ZeRO-3 hooks)."""
-    return untiled_vs_tiled(env, lambda: TinyLM(block=ApplyBlock), config(3, env, gas=2), token_batches(env, micro=2),
-                            tiny_loss, tile=lambda engine: use_apply(engine))
-
-
-def _offloaded(env: Env, stage: int, **offload: Any) -> dict[str, Any]:
-    """ZeRO-Offload: the optimizer's fp32 master weights, states and step on the host (``offload_optimizer``; with
-    ZeRO-3 ``offload_param`` too), torch's AdamW there (``zero_force_ds_cpu_optimizer: False``: DeepSpeed's CPU Adam
-    would compile a C++ op), on the tiled loss and GLU MLPs of a Hugging Face Llama."""
-    cfg = {**config(stage, env, gas=2, offload_optimizer={"device": "cpu"}, **offload),
-           "zero_force_ds_cpu_optimizer": False}
-    return untiled_vs_tiled(env, llama(), cfg, hf_batches(env, HF_VOCAB, micro=2), optimizer_of=adamw,
-                            tile=lambda m: tiledmlp.enable_tiling(m, loss=True, tile_tokens=16))
-
-
-@case
-def zero2_offload_optimizer(env: Env) -> dict[str, Any]:
-    return _offloaded(env, 2)
-
-
-@case
-def zero3_offload_optimizer_and_params(env: Env) -> dict[str, Any]:
-    return _offloaded(env, 3, offload_param={"device": "cpu"})
-
-
 def freeze_embeddings(model: nn.Module) -> None:
     model.get_input_embeddings().weight.requires_grad_(False)
 
 
-@case
-def zero3_hf_llama_loss_tied(env: Env) -> dict[str, Any]:
-    """GLU MLPs and the tiled loss on a head tied to the embeddings."""
-    return untiled_vs_tiled(env, llama(tied=True), config(3, env, gas=2), hf_batches(env, HF_VOCAB, micro=2),
-                            tile=lambda m: tiledmlp.enable_tiling(m, loss=True, tile_tokens=16))
+@dataclass(frozen=True)
+class ZeRO(Wrapper):
+    """``deepspeed.initialize`` at ZeRO ``stage`` (``zero``: more of its ``zero_optimization`` section; ``engine``: more
+    of the config), with the case's micro-batches as its gradient accumulation steps; ``freeze``: run on the model
+    before the engine takes it (both runs)."""
+
+    stage: int = 3
+    zero: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
+    freeze: Optional[Callable[[nn.Module], None]] = None
+    strategy = "deepspeed"
+    launches: tuple[Launch, ...] = (ZERO_1PROC, ZERO_2PROC)
+
+    def config(self, env: Env, micro: int, bf16: bool = False) -> dict[str, Any]:
+        return {**config(self.stage, env, gas=micro, bf16=bf16, **self.zero), **self.engine}
+
+    def run(self, case: Case, env: Env) -> dict[str, Any]:
+        """``case`` trained untiled and tiled under the engine: the common metrics and the gathers per micro-batch;
+        with ``case.bf16``, both in bf16 against an untiled float32 run (``bf16_noise``, ``tiled_error``)."""
+        batches = case.model.batches(env, case.micro)
+        options = dict(freeze=self.freeze or (lambda m: None), optimizer_of=adamw if case.optimizer == "adamw" else sgd)
+        if not case.bf16:
+            return untiled_vs_tiled(env, case.model.build, self.config(env, case.micro), batches, case.model.loss_of,
+                                    tile=case.tile, tile_before=case.tile_before_wrap, **options)
+        ref, _ = train(env, case.model.build, self.config(env, case.micro), batches, case.model.loss_of, tiled=False,
+                       **options)
+        bf16 = self.config(env, case.micro, bf16=True)
+        untiled, untiled_gathers = train(env, case.model.build, bf16, batches, case.model.loss_of, tiled=False,
+                                         **options)
+        tiled, tiled_gathers = train(env, case.model.build, bf16, batches, case.model.loss_of, tiled=True,
+                                     tile=case.tile, tile_before=case.tile_before_wrap, **options)
+        return {**compare(untiled, tiled), "gathers_untiled": untiled_gathers.per_micro_batch,
+                "gathers_tiled": tiled_gathers.per_micro_batch, "bf16_noise": total_update_error(untiled, ref),
+                "tiled_error": total_update_error(tiled, ref)}
 
 
-@case
-def zero2_hf_llama_loss_tied(env: Env) -> dict[str, Any]:
-    return untiled_vs_tiled(env, llama(tied=True), config(2, env, gas=2), hf_batches(env, HF_VOCAB, micro=2),
-                            tile=lambda m: tiledmlp.enable_tiling(m, loss=True, tile_tokens=16))
-
-
-@case
-def zero3_hf_llama_frozen_embeddings(env: Env) -> dict[str, Any]:
-    """Frozen embeddings (the first layer's input needs no gradient), a tiled untied head."""
-    return untiled_vs_tiled(env, llama(), config(3, env), hf_batches(env, HF_VOCAB),
-                            tile=lambda m: tiledmlp.enable_tiling(m, loss=True, tile_tokens=16),
-                            freeze=freeze_embeddings)
-
-
-@case
-def zero3_hf_lora(env: Env) -> dict[str, Any]:
-    """PEFT LoRA on the MLP projections: frozen base weights (gathered, released without a gradient), the
-    GLU form with the adapters."""
-    return untiled_vs_tiled(env, lora_llama, config(3, env), hf_batches(env, HF_VOCAB), tile=tile_lora(tile_tokens=16))
-
-
-@case
-def zero3_hf_lora_added_after_tiling(env: Env) -> dict[str, Any]:
-    """Tiled before peft added the adapters and before ``deepspeed.initialize``: each MLP is planned again at its
-    first call, its partitioned parameters (the new adapters') gathered for the probe on every rank."""
-    return untiled_vs_tiled(env, lora_llama, config(3, env), hf_batches(env, HF_VOCAB), tile_before=True,
-                            tile=tile_before_adapters(tile_tokens=16))
-
-
-@case
-def zero3_hf_qlora(env: Env) -> dict[str, Any]:
-    """QLoRA under ZeRO-3: the 4-bit packed weights partitioned and gathered like any frozen parameter, dequantized
-    once per pass after the gather."""
-    return untiled_vs_tiled(env, qlora_llama(), config(3, env), hf_batches(env, HF_VOCAB),
-                            tile=tile_lora(quantized=True, tile_tokens=16))
-
-
-@case
-def zero3_hf_lora_projections(env: Env) -> dict[str, Any]:
-    """LoRA on attention and MLP with ``projections=True``: each projection's frozen base gathered for its backward
-    (its input gradient) as untiled, its adapters' gradients handed to the engine once."""
-    return untiled_vs_tiled(env, lora_llama_everywhere, config(3, env), hf_batches(env, HF_VOCAB),
-                            tile=tile_projections(tile_tokens=16))
-
-
-@case
-def zero3_hf_mixtral(env: Env) -> dict[str, Any]:
-    """The MoE form under ZeRO-3, whose default leaf modules include Mixtral's sparse block (gathered whole
-    by the block's own hook: the strategy finds the experts' weights already gathered)."""
-    return untiled_vs_tiled(env, mixtral, config(3, env), hf_batches(env, HF_VOCAB),
-                            tile=lambda m: tiledmlp.enable_tiling(m, tile_tokens=16))
-
-
-@case
-def zero3_bf16(env: Env) -> dict[str, Any]:
-    """bf16 engine: the tiled run is no further from the fp32 untiled run than the untiled bf16 run is."""
-    batches = token_batches(env, micro=2)
-    ref, _ = train(env, tiny_lm, config(3, env, gas=2), batches, tiny_loss, tiled=False)
-    untiled, untiled_gathers = train(env, tiny_lm, config(3, env, gas=2, bf16=True), batches, tiny_loss, tiled=False)
-    tiled, tiled_gathers = train(env, tiny_lm, config(3, env, gas=2, bf16=True), batches, tiny_loss, tiled=True)
-    metrics = compare(untiled, tiled)
-    metrics["gathers_untiled"] = untiled_gathers.per_micro_batch
-    metrics["gathers_tiled"] = tiled_gathers.per_micro_batch
-    metrics["bf16_noise"] = total_update_error(untiled, ref)
-    metrics["tiled_error"] = total_update_error(tiled, ref)
-    return metrics
+# ----------------------------------------------------------------------------------------------
+# Cases of their own kind
 
 
 class TraceInvalidations:
@@ -322,10 +224,11 @@ class TraceInvalidations:
         self.cls._invalidate_trace = self.original
 
 
-@case
-def zero3_prefetch_trace_stable(env: Env) -> dict[str, Any]:
+def zero3_prefetch_trace_stable(case: Case, env: Env) -> dict[str, Any]:
     """Prefetching on, shard counts changing every step: after the steps that record ZeRO-3's trace, the
     tiled model never invalidates it (the untiled model's count is the reference)."""
+    import deepspeed
+
     cfg = config(3, env, stage3_prefetch_bucket_size=10**6, stage3_max_reuse_distance=10**9,
                  log_trace_cache_warnings=True)
     batches = token_batches(env, steps=6)
@@ -333,7 +236,7 @@ def zero3_prefetch_trace_stable(env: Env) -> dict[str, Any]:
     for tiled in (False, True):
         gc.collect()
         torch.manual_seed(0)
-        model = tiny_lm().to(env.device)
+        model = TinyLM().to(env.device)
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
                                           config=cfg)
         if tiled:
@@ -341,7 +244,7 @@ def zero3_prefetch_trace_stable(env: Env) -> dict[str, Any]:
         per_step = []
         for (batch,) in batches:
             with TraceInvalidations() as seen:
-                engine.backward(tiny_loss(engine, batch))
+                engine.backward(positional_loss(engine, batch))
                 engine.step()
             per_step.append(seen.count)
         counts["tiled" if tiled else "untiled"] = per_step
@@ -349,12 +252,13 @@ def zero3_prefetch_trace_stable(env: Env) -> dict[str, Any]:
     return {"invalidations": counts, "seq_lens": [b[0]["ids"].shape[1] for b in batches]}
 
 
-@case
-def deepspeed_refusals(env: Env) -> dict[str, Any]:
+def deepspeed_refusals(case: Case, env: Env) -> dict[str, Any]:
     """A forced strategy that does not match DeepSpeed, and 'deepspeed' forced on an unwrapped model, are
     refused before anything is patched."""
+    import deepspeed
+
     torch.manual_seed(0)
-    model = tiny_lm().to(env.device)
+    model = TinyLM().to(env.device)
     errors = {}
     try:
         tiledmlp.enable_tiling(model, strategy="deepspeed")
@@ -373,24 +277,25 @@ def deepspeed_refusals(env: Env) -> dict[str, Any]:
     return {"errors": errors, "untouched": untouched, "forced": forced}
 
 
-@case
-def zero3_enable_after_steps(env: Env) -> dict[str, Any]:
+def zero3_enable_after_steps(case: Case, env: Env) -> dict[str, Any]:
     """Tiling enabled on an engine that already trained a step untiled with prefetching on (ZeRO-3 recorded
     the untiled trace, which prefetches the MLPs' children): same training as never tiling."""
+    import deepspeed
+
     cfg = config(3, env, gas=1, stage3_prefetch_bucket_size=10**6, stage3_max_reuse_distance=10**9)
     batches = token_batches(env, steps=4)
 
     def late(tiled: bool) -> dict[str, torch.Tensor]:
         gc.collect()
         torch.manual_seed(0)
-        model = tiny_lm().to(env.device)
+        model = TinyLM().to(env.device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         with TraceInvalidations() as seen:
             for step, (batch,) in enumerate(batches):
                 if tiled and step == 2:
                     tiledmlp.enable_tiling(engine, tile_tokens=16)
-                engine.backward(tiny_loss(engine, batch))
+                engine.backward(positional_loss(engine, batch))
                 engine.step()
         invalidations[tiled] = seen.count
         out = _snapshot(engine)

@@ -1,14 +1,12 @@
-"""Tensor-parallel cases (``parallelize_module``), run by ``worker.py`` on 2 processes (TP=2 over the
-world); ``cases_tp_world4.py`` runs some of them with TP=4 and the 2-D ones (FSDP2 over TP, DP=2 x TP=2,
-defined here), all on the torchtitan-shaped model of ``titan.py``. Every case trains the model untiled and tiled under the same plan from the same seed.
-
-DTensor's collectives are functional (``_c10d_functional``) and bypass ``torch.distributed``'s Python
-functions, so TP recipes also count them with ``CommDebugMode`` (``dtensor_*`` keys).
-"""
+"""How the matrix's cases run on a rank, beyond the standard one (``Wrapper.run``: untiled and tiled trained alike):
+torch.compile per block and its graphs counted, a checkpointed Llama's layer inputs offloaded or rebuilt by a recompute
+chain, and the cases of their own kind — the anchors' per-shard backward as a negative control, a forced strategy
+refused at the first call under a wrapper, one tensor-parallel MLP call's collectives, bad tensor-parallel plans."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -16,103 +14,150 @@ from torch import nn
 import tiledmlp
 from tiledmlp.patching.state import STATE_ATTR
 
-from common import (Batch, Env, Recipe, bf16_noise_metrics, count_shards, enable, mixed_precision_metrics, registry,
-                    untiled_vs_tiled)
-from titan import (DIM, VOCAB, BiasedMLP, FeedForward, Transformer, apply_fsdp, apply_tp, fused_glu, mlp_plan,
-                   world_meshes)
+from .common import Env, compare, train, untiled_vs_tiled
+from .counters import count_shards
+from .models import Block, TinyLM, tiny_llama
+from .titan import DIM, VOCAB, FeedForward, mlp_plan, world_meshes
 
-CASES, case = registry()
+if TYPE_CHECKING:
+    from .matrix import Case
 
-
-def tp_batches(env: Env, dp_rank: int, steps: int = 3, batch: int = 2) -> list[list[Batch]]:
-    """The same batches on every rank of a TP group (TP needs them), different across data-parallel
-    ranks, in lengths divisible by the TP degree (sequence parallelism shards them) that differ from
-    step to step and between data-parallel ranks (so do the shard counts)."""
-    out = []
-    for s in range(steps):
-        g = torch.Generator().manual_seed(1000 * (dp_rank + 1) + s)
-        t = (40, 56, 48, 64)[(s + dp_rank) % 4]
-        ids = torch.randint(VOCAB, (batch, t + 1), generator=g)
-        out.append([{"ids": ids[:, :-1].to(env.device), "labels": ids[:, 1:].to(env.device)}])
-    return out
-
-
-def titan(env: Env, tp: int, sequence_parallel: bool = True, mlp: Callable[[], nn.Module] = FeedForward,
-          dtype: torch.dtype = torch.float32, **fsdp_options: Any) -> Recipe:
-    """The torchtitan-shaped model under its TP plan on a ``tp``-wide mesh, and FSDP2 over the rest of the
-    world (none when ``tp`` is the world size)."""
-    dp_mesh, tp_mesh = world_meshes(env.device.type, env.world, tp)
-
-    def wrap(model: nn.Module) -> nn.Module:
-        apply_tp(model, tp_mesh, sequence_parallel)
-        return model if dp_mesh is None else apply_fsdp(model, dp_mesh, **fsdp_options)
-
-    dp_rank = 0 if dp_mesh is None else dp_mesh.get_local_rank()
-    return Recipe(build=lambda: Transformer(mlp).to(dtype), batches=tp_batches(env, dp_rank), wrap=wrap,
-                  count_dtensor=True, foreach=False)
-
-
-@case
-def tp_sequence_parallel(env: Env) -> dict[str, Any]:
-    """torchtitan's plan: SequenceParallel norms, PrepareModuleInput(Shard(1) -> Replicate), w2 to Shard(1)."""
-    return untiled_vs_tiled(titan(env, env.world), env)
-
-
-@case
-def tp_replicated(env: Env) -> dict[str, Any]:
-    """No sequence parallelism: replicated hidden states, w2 all-reduces to Replicate."""
-    return untiled_vs_tiled(titan(env, env.world, sequence_parallel=False), env)
-
-
-@case
-def tp_tile_before_parallelize(env: Env) -> dict[str, Any]:
-    """Tiling enabled on the bare model, TP applied after: detected at run time."""
-    recipe = titan(env, env.world)
-    recipe.tile_before_wrap = True
-    return untiled_vs_tiled(recipe, env)
-
-
-@case
-def tp_biased_plain_mlp(env: Env) -> dict[str, Any]:
-    """A plain GELU MLP with biases: the down bias is added to the partial sum, before the reduce-scatter."""
-    return untiled_vs_tiled(titan(env, env.world, mlp=BiasedMLP), env)
-
-
-@case
-def tp_fused_gate_up(env: Env) -> dict[str, Any]:
-    """Phi-3's fused gate_up_proj, ColwiseParallel as a whole, with sequence parallelism."""
-    return untiled_vs_tiled(titan(env, env.world, mlp=fused_glu), env)
-
-
-@case
-def tp_forced_strategy(env: Env) -> dict[str, Any]:
-    recipe = titan(env, env.world)
-    recipe.tile = enable(strategy="tp", tile_tokens=16)
-    return untiled_vs_tiled(recipe, env)
-
-
-@case
-def tp_bf16(env: Env) -> dict[str, Any]:
-    """bf16 parameters under TP, judged against bf16's own noise."""
-    return bf16_noise_metrics(env, titan(env, env.world), titan(env, env.world, dtype=torch.bfloat16))
-
-
-def fsdp2_over_tp(env: Env) -> dict[str, Any]:
-    """torchtitan's 2-D: TP=2 inside, fully_shard per block and root over dp=world/2."""
-    if env.world < 4:
-        raise ValueError(f"fsdp2_over_tp needs 4 processes (DP=2 x TP=2), got {env.world}")
-    return untiled_vs_tiled(titan(env, 2), env)
-
-
-def fsdp2_over_tp_bf16(env: Env) -> dict[str, Any]:
-    """2-D with FSDP2's bf16 mixed precision (fp32 reduction)."""
-    if env.world < 4:
-        raise ValueError(f"fsdp2_over_tp_bf16 needs 4 processes, got {env.world}")
-    return mixed_precision_metrics(env, lambda **fsdp_options: titan(env, 2, **fsdp_options))
+CaseRun = Callable[["Case", Env], dict[str, Any]]
 
 
 # ----------------------------------------------------------------------------------------------
-# One MLP call: its collectives, forward and backward, tiled and untiled
+# torch.compile per block
+
+
+class GraphCounter:
+    """An aot_eager Dynamo backend (the CPU suite checks the plumbing, not kernels) that counts the graphs it
+    compiles and the tiled operators in them."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.registry import lookup_backend
+        self.inner = lookup_backend("aot_eager")
+        self.graphs = self.tiled_ops = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.tiled_ops += sum("tiledmlp.tiled_call" in str(n.target) for n in gm.graph.nodes)
+        return self.inner(gm, example_inputs)
+
+
+def compile_blocks(model: nn.Module, counters: list) -> nn.Module:
+    """torch.compile every decoder block, with a new :class:`GraphCounter` appended to ``counters`` (Dynamo's
+    caches emptied first, so each run counts its own graphs)."""
+    torch._dynamo.reset()
+    counters.append(GraphCounter())
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        block.compile(backend=counters[-1])
+    return model
+
+
+def with_graph_counts(metrics: dict[str, Any], counters: list) -> dict[str, Any]:
+    """``metrics`` plus the untiled and tiled runs' compiled graphs and tiled operators (``[untiled, tiled]``):
+    the tiled call must be an operator in the graph, adding no graph break (so no graph)."""
+    return {**metrics, "compiled_graphs": [c.graphs for c in counters], "tiled_ops": [c.tiled_ops for c in counters]}
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpointed Llama's layer inputs: on the host, or rebuilt by a recompute chain
+
+
+@contextlib.contextmanager
+def every_input_moved() -> Iterator[None]:
+    """The tiny model's layer inputs (a few KB) offloaded all the same, by a fresh offloader; as it was after."""
+    from tiledmlp.offload import checkpointing, host
+
+    smallest = host.MIN_BYTES
+    host.MIN_BYTES = 0
+    checkpointing._OFFLOADERS.clear()
+    try:
+        yield
+    finally:
+        host.MIN_BYTES = smallest
+
+
+def offloaded(case: Case, env: Env) -> dict[str, Any]:
+    """The case (its tiling offloads: ``offload="cpu"``) trained alike, and the offloader's counts."""
+    from tiledmlp.offload import checkpointing
+
+    with every_input_moved():
+        metrics = case.wrapper.run(case, env)
+        stats = checkpointing.offloader_for(env.device).stats
+    return {**metrics, "offload_regions": stats["regions"], "offload_restored": stats["restored"]}
+
+
+class _Fixed:
+    """A placement of the checkpointed layers' inputs decided in advance (what the memory plan would return), and what
+    each layer keeps for its recompute."""
+
+    def __init__(self, places: tuple[str, ...], keeps: tuple[frozenset[str], ...]) -> None:
+        self.places, self.keeps = places, keeps
+
+    def __call__(self, nbytes: int) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+        return self.places, self.keeps
+
+
+def chained(keeps: tuple[frozenset[str], ...] = (frozenset(),) * 2, **options: Any) -> CaseRun:
+    """``offload="auto"`` (with ``options``) with layer 0's input on the host and layer 1's recomputed from it in
+    backward (a recompute chain), each layer keeping ``keeps`` for its recompute, against the untiled checkpointed
+    model; reports the inputs freed and rebuilt, and the attention outputs kept and reused."""
+    def run(case: Case, env: Env) -> dict[str, Any]:
+        from tiledmlp.offload import checkpointing
+
+        placements, tiled = [], []
+
+        def tile(model: nn.Module) -> None:
+            tiledmlp.enable_tiling(model, tile_tokens=16, offload="auto", **options)
+            placement = checkpointing.layer_placement(model)
+            placement.decide = _Fixed(("host", "recompute"), keeps)
+            placements.append(placement)
+            tiled.append(model)
+
+        with every_input_moved():
+            recipe = case.wrapper.recipe(case, env)
+            recipe.tile = tile
+            metrics = untiled_vs_tiled(recipe, env)
+        modes = [m.__dict__["_tiledmlp_attention_mode"] for m in tiled[-1].modules()
+                 if "_tiledmlp_attention_mode" in m.__dict__]
+        return {**metrics, "freed": placements[-1].stats["freed"], "rebuilt": placements[-1].stats["rebuilt"],
+                "kept": sum(m.kept for m in modes), "reused": sum(m.reused for m in modes)}
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP: a control, a refusal
+
+
+def anchor_control(case: Case, env: Env) -> dict[str, Any]:
+    """The anchors' mechanism (the case's tiling switches it on): it either raises or trains differently."""
+    recipe = case.wrapper.recipe(case, env)
+    untiled = train(recipe, env, tiled=False)
+    try:
+        anchored = train(recipe, env, tiled=True)
+    except RuntimeError as err:
+        return {"anchor_error": str(err).splitlines()[0]}
+    metrics = compare(untiled, anchored)
+    return {"anchor_error": None, "param_rel": metrics["param_rel"], "update_rel": metrics["update_rel"]}
+
+
+def refused_at_first_call(case: Case, env: Env) -> dict[str, Any]:
+    """``strategy="plain"`` forced on the bare model, then the case's wrapper: the first call under it checks the forced
+    strategy against the wrapping, as enable_tiling does on a wrapped model (before: accepted and reported plain)."""
+    torch.manual_seed(0)
+    model = tiledmlp.enable_tiling(TinyLM().to(env.device), strategy="plain", tile_tokens=16)
+    wrapped = case.wrapper.wrap(env)(model)
+    (batch,) = case.model.batches(env, 1)[0]
+    try:
+        wrapped(batch["ids"], batch["labels"])
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    return {"refused": ""}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: one MLP call, forward and backward, tiled and untiled
 
 
 def _one_call(mlp: nn.Module, x: torch.Tensor) -> dict[str, Any]:
@@ -130,8 +175,7 @@ def _one_call(mlp: nn.Module, x: torch.Tensor) -> dict[str, Any]:
             "out": y.detach().float(), "dx": x.grad.float()}
 
 
-@case
-def tp_collectives_per_call(env: Env) -> dict[str, Any]:
+def tp_collectives_per_call(case: Case, env: Env) -> dict[str, Any]:
     """One tiled and one untiled MLP call, with and without sequence parallelism: the collectives of each
     pass, the shard count, and how far the outputs and input gradients are apart."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -165,7 +209,7 @@ def tp_collectives_per_call(env: Env) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Bad plans: a ValueError that names the fix, the model left as it was
+# Bad tensor-parallel plans: a ValueError that names the fix, the model left as it was
 
 
 def _refusal(build: Callable[[], nn.Module], **options: Any) -> dict[str, Any]:
@@ -181,8 +225,7 @@ def _refusal(build: Callable[[], nn.Module], **options: Any) -> dict[str, Any]:
     return {"message": message, "untouched": untouched}
 
 
-@case
-def tp_bad_plans(env: Env) -> dict[str, Any]:
+def tp_bad_plans(case: Case, env: Env) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -247,7 +290,6 @@ def _tp_causal_lm(env: Env, mesh: Any, parallel_head: bool = True) -> Callable[[
     def build() -> nn.Module:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-        from models import tiny_llama
 
         torch.manual_seed(0)
         model = tiny_llama(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=1, num_key_value_heads=4,
