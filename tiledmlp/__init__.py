@@ -53,7 +53,6 @@ map and follows one call through it):
 
 from __future__ import annotations
 
-from ._deprecated import install as install_moved_paths
 from .core.sharding import ShardPolicy, auto_num_shards
 from .distributed.context_parallel import RepeatedKVHeads, RingReady, repeat_kv_heads, ring_ready
 from .distributed.selection import STRATEGY_NAMES
@@ -96,8 +95,3 @@ __all__ = [
     "STRATEGY_NAMES",
 ]
 __version__ = "0.5.0"
-
-#: The import paths of older versions (``tiledmlp.function``, ``tiledmlp.offload.offloader_for``, ...) still import,
-#: with a DeprecationWarning naming the new path, until 0.5.0: ``tiledmlp/_deprecated.py``.
-__getattr__ = install_moved_paths()
-del install_moved_paths

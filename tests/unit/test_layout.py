@@ -1,22 +1,19 @@
-"""The package layout is the architecture (``docs/design.md``, "The packages"): each subpackage imports only what its
-row of that table allows, no module imports another that imports it back or a private name of another module, no
-module grows past ~400 lines without saying why, and the import paths of older versions still import, with a
-``DeprecationWarning`` naming the new one, while nothing of the project uses them."""
+"""The package layout is the architecture (``docs/design.md``, "The packages"): the table there says what each
+subpackage owns (every module) and imports (exactly what its modules import, from floors below its own), no module
+imports another that imports it back or a private name of another module, no module grows past ~400 lines without
+saying why; and the import paths of versions before 0.5.0 are gone, with nothing of the project naming a path that
+does not exist."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import re
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 import tiledmlp
-from tiledmlp._deprecated import MOVED_MODULES, MOVED_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tiledmlp"
@@ -101,27 +98,24 @@ def package_of(name: str) -> str:
     return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else ""
 
 
+def table_rows() -> list[tuple[int, str, str, str]]:
+    """``(floor, package, what it owns, what it may import)`` per row of the table in docs/design.md."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)/` \| (.*) \| (.*?) \|$", text, re.M)
+    assert rows, "docs/design.md has no package table"
+    return [(int(n), pkg, owns, may) for n, pkg, owns, may in rows]
+
+
 def documented_layers() -> dict[str, set[str]]:
     """``{package: the packages it may import}`` from the table in docs/design.md."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    rows = re.findall(r"^\| (\d+) \| `(\w+)/` \| .*? \| (.*?) \|$", text, re.M)
-    assert rows, "docs/design.md has no package table"
-    order = [pkg for _, pkg in sorted(((int(n), pkg) for n, pkg, _ in rows))]
-    allowed = {}
-    for _, pkg, may in rows:
-        if may == "everything below":
-            allowed[pkg] = set(order[: order.index(pkg)])
-        elif may == "nothing of tiledmlp":
-            allowed[pkg] = set()
-        else:
-            allowed[pkg] = {re.match(r"\w+", item.strip()).group(0) for item in may.split(",")}
-    return allowed
+    return {pkg: set() if may == "nothing of tiledmlp" else {re.match(r"\w+", item.strip()).group(0)
+                                                             for item in may.split(",")}
+            for _, pkg, _, may in table_rows()}
 
 
 def documented_floors() -> dict[str, int]:
     """``{package: its floor}`` from the table in docs/design.md."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    return {pkg: int(n) for n, pkg in re.findall(r"^\| (\d+) \| `(\w+)/` \|", text, re.M)}
+    return {pkg: floor for floor, pkg, _, _ in table_rows()}
 
 
 def test_the_table_only_lets_a_package_import_floors_below_it():
@@ -144,6 +138,29 @@ def test_each_subpackage_imports_only_what_its_row_allows():
                    for target in imported_modules(name)
                    if package_of(target) not in allowed[package_of(name)] | {package_of(name)})
     assert not wrong, f"imports the table in docs/design.md does not allow: {wrong}"
+
+
+def test_each_row_allows_only_what_its_package_imports():
+    """The table says what the code does: a package may import exactly what its modules import (an allowance no module
+    uses is a row gone stale, as ``patching/``'s "everything below" was while it imports no kernel)."""
+    imported: dict[str, set[str]] = {pkg: set() for pkg in documented_layers()}
+    for name in MODULES:
+        if package_of(name):
+            imported[package_of(name)] |= {package_of(t) for t in imported_modules(name)} - {package_of(name), ""}
+    stale = {pkg: sorted(allowed - imported[pkg]) for pkg, allowed in documented_layers().items()
+             if allowed - imported[pkg]}
+    assert not stale, f"docs/design.md lets these import packages they do not: {stale}"
+
+
+def test_each_row_names_every_module_of_its_package():
+    """The "owns" column of each row names each module of its package (before: the kernels' Triton modules were not)."""
+    missing = {}
+    for _, pkg, owns, _ in table_rows():
+        named = set(re.findall(r"`(\w+)`", owns))
+        modules = {p.stem for p in (PACKAGE / pkg).glob("*.py") if p.stem != "__init__"}
+        if modules - named:
+            missing[pkg] = sorted(modules - named)
+    assert not missing, f"docs/design.md's table does not name these modules: {missing}"
 
 
 def test_no_import_circle():
@@ -183,56 +200,25 @@ def test_no_private_name_crosses_modules():
     assert not wrong, f"private names imported from another module (make them public, or move the code): {wrong}"
 
 
-MOVED_NAME_ROWS = [(package, module, name) for package, modules in MOVED_NAMES.items()
-                   for module, names in modules.items() for name in names]
+#: Import paths of tiledmlp 0.1.0's flat modules and names its old modules exported from the packages, removed in
+#: 0.5.0 (CHANGELOG.md; docs/api.md has the table of their new paths): a sample of each kind.
+REMOVED_MODULES = ("function", "runtime", "state", "heads", "tiled_forward", "logs")
+REMOVED_NAMES = (("offload", "offloader_for"), ("distributed", "Wrapping"), ("forms", "Slot"),
+                 ("loss", "tiled_linear_cross_entropy"), ("patching", "install"), ("attention", "attention_layers"))
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_an_old_module_path_warns_once_and_is_the_new_module(old, monkeypatch):
-    new = importlib.import_module(f"tiledmlp.{MOVED_MODULES[old]}")
-    monkeypatch.delitem(vars(tiledmlp), old, raising=False)  # as if never imported: the warning is due again
-    monkeypatch.delitem(sys.modules, f"tiledmlp.{old}", raising=False)
-    said_as = rf"^tiledmlp\.{old} is deprecated and will be removed in tiledmlp 0\.5\.0: use {new.__name__}$"
-    with pytest.warns(DeprecationWarning, match=said_as) as said:
-        module = importlib.import_module(f"tiledmlp.{old}")
-    assert module is new and new.__spec__.name == new.__name__
-    assert len(said) == 1 and said[0].filename == __file__  # at the line that imported it
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert importlib.import_module(f"tiledmlp.{old}") is new and getattr(tiledmlp, old) is new
+@pytest.mark.parametrize("old", REMOVED_MODULES)
+def test_an_old_module_path_is_gone(old):
+    with pytest.raises(ModuleNotFoundError, match=f"tiledmlp.{old}"):
+        importlib.import_module(f"tiledmlp.{old}")
+    with pytest.raises(AttributeError, match=f"no attribute '{old}'"):
+        getattr(tiledmlp, old)
 
 
-def test_an_old_module_read_from_tiledmlp_warns(monkeypatch):
-    monkeypatch.delitem(vars(tiledmlp), "logs", raising=False)
-    monkeypatch.delitem(sys.modules, "tiledmlp.logs", raising=False)
-    with pytest.warns(DeprecationWarning, match="use tiledmlp.core.logs") as said:
-        from tiledmlp import logs
-    assert logs is tiledmlp.core.logs and len(said) == 1 and said[0].filename == __file__
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        tiledmlp.nothing
-
-
-@pytest.mark.parametrize("package,module,name", MOVED_NAME_ROWS)
-def test_an_old_package_name_warns_once_and_is_the_defining_modules(package, module, name, monkeypatch):
-    owner = importlib.import_module(f"tiledmlp.{package}")
-    defined = getattr(importlib.import_module(f"tiledmlp.{package}.{module}"), name)
-    monkeypatch.delitem(vars(owner), name, raising=False)
-    said_as = rf"^tiledmlp\.{package}\.{name} is deprecated .*: use tiledmlp\.{package}\.{module}\.{name}$"
-    with pytest.warns(DeprecationWarning, match=said_as) as said:
-        value = getattr(owner, name)
-    assert value is defined and len(said) == 1 and said[0].filename == __file__
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert getattr(owner, name) is defined
-
-
-def test_an_old_package_name_imported_warns_once(monkeypatch):
-    monkeypatch.delitem(vars(tiledmlp.distributed), "Wrapping", raising=False)
-    with pytest.warns(DeprecationWarning, match="use tiledmlp.distributed.detect.Wrapping") as said:
-        from tiledmlp.distributed import Wrapping
-    assert Wrapping is tiledmlp.distributed.detect.Wrapping and len(said) == 1 and said[0].filename == __file__
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        tiledmlp.distributed.nothing
+@pytest.mark.parametrize("package,name", REMOVED_NAMES)
+def test_an_old_package_name_is_gone(package, name):
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(importlib.import_module(f"tiledmlp.{package}"), name)
 
 
 def test_describe_is_the_function_only():
@@ -244,65 +230,44 @@ def test_describe_is_the_function_only():
     assert tiledmlp.describe is tiledmlp.patching.describe.describe
 
 
-def test_the_new_paths_do_not_warn():
-    """A fresh interpreter imports every module of tiledmlp by its own path (here they are imported already, and an
-    import would run nothing): no tiledmlp DeprecationWarning. A module whose optional dependency is missing is
-    passed over."""
-    code = f"""
-import importlib, warnings
-warnings.filterwarnings("error", message=r"tiledmlp\\.\\S+ is deprecated", category=DeprecationWarning)
-for name in {sorted(MODULES)!r}:
-    try:
-        importlib.import_module(name)
-    except ImportError as e:  # an optional dependency missing (the Axolotl plugin says so in its own words)
-        missing = e if isinstance(e, ModuleNotFoundError) else e.__cause__
-        if not isinstance(missing, ModuleNotFoundError) or (missing.name or "").startswith("tiledmlp"):
-            raise
-"""
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+def named_paths(path: Path) -> set[str]:
+    """The ``tiledmlp`` paths a file names: modules imported, names imported from them, attributes read through
+    ``tiledmlp.`` (``tiledmlp.a.b``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tiledmlp":
+            found.update(f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "tiledmlp")
+        elif isinstance(node, ast.Attribute) and re.fullmatch(r"tiledmlp(\.\w+)+", ast.unparse(node)):
+            found.add(ast.unparse(node))
+    return found
 
 
-OLD_PATHS = {f"tiledmlp.{old}" for old in MOVED_MODULES} | {f"tiledmlp.{package}.{name}"
-                                                            for package, _, name in MOVED_NAME_ROWS}
+def exists(dotted: str) -> bool:
+    """Whether ``dotted`` is a tiledmlp module or a name in one (its longest importable prefix, then attributes)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        if name not in MODULES and name != "tiledmlp":
+            continue
+        value = importlib.import_module(name)
+        for attr in parts[cut:]:
+            if not hasattr(value, attr):
+                return False
+            value = getattr(value, attr)
+        return True
+    return False
 
 
-def is_old(dotted: str) -> bool:
-    return any(dotted == old or dotted.startswith(f"{old}.") for old in OLD_PATHS)
-
-
-def old_paths_used(modules: list[str], names: list[str]) -> set[str]:
-    """Of the modules imported and the dotted names imported or read, those that are old paths (the module
-    ``tiledmlp.describe`` too; the name is the function)."""
-    return ({m for m in modules if m == "tiledmlp.describe" or m.startswith("tiledmlp.describe.")}
-            | {d for d in modules + names if is_old(d)})
-
-
-def test_the_project_uses_no_old_path():
-    """tiledmlp (relative imports resolved), its tests, benchmarks, scripts and launcher import only the new paths:
-    ``tiledmlp.<old module>`` imported or read, ``tiledmlp.<package>.<name the old module exported>``."""
-    used = {}
-    for name in MODULES:
-        sources = import_sources(name)
-        used[name] = old_paths_used([source for _, source in sources],
-                                    [f"{source}.{alias.name}" for node, source in sources
-                                     if isinstance(node, ast.ImportFrom) for alias in node.names])
+def test_the_project_names_no_path_that_is_gone():
+    """Tests, benchmarks, scripts and the launcher import and read only tiledmlp paths that exist (before 0.5.0 the
+    old ones still imported, with a warning; a module whose optional dependency is missing is not imported here)."""
     files = [p for folder in ("tests", "benchmarks", "scripts", "launch") for p in (ROOT / folder).rglob("*.py")]
-    for path in files:
-        if path == Path(__file__).resolve():
-            continue  # the tests of the old paths above
-        modules, names = [], []
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                modules.append(node.module)
-                names += [f"{node.module}.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                modules += [alias.name for alias in node.names]
-            elif isinstance(node, ast.Attribute) and re.fullmatch(r"tiledmlp(\.\w+)+", ast.unparse(node)):
-                names.append(ast.unparse(node))
-        used[str(path.relative_to(ROOT))] = old_paths_used(modules, names)
-    used = {where: sorted(paths) for where, paths in used.items() if paths}
-    assert not used, f"old import paths (tiledmlp/_deprecated.py has the new ones): {used}"
+    skip = {"tiledmlp.integrations.axolotl"}  # imports Axolotl, absent outside its own environment
+    gone = {f"{path.relative_to(ROOT)}: {dotted}" for path in files for dotted in sorted(named_paths(path))
+            if not any(dotted == s or dotted.startswith(s + ".") for s in skip) and not exists(dotted)}
+    assert not gone, f"paths that do not exist: {sorted(gone)}"
 
 
 #: a design note's title line in a module docstring, and a citation of one anywhere (wrapped over lines, in comments)

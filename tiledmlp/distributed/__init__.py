@@ -5,6 +5,5 @@ tiled call.
 (the contexts a tiled call runs in); ``deepspeed`` and ``tensor_parallel`` are the mechanics two of them need;
 ``sequence_parallel`` and ``context_parallel`` see one sequence split across ranks; ``hooks`` tells the wrappers' hooks
 inside a tiled module from the user's. Imports ``tiledmlp.forms`` only (the MLP layout tensor parallelism localizes, the
-strategies' TP context). (What the package exported before 0.4.0 still reads from here until 0.5.0, with a
-DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
+strategies' TP context).
 """

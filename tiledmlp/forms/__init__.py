@@ -5,7 +5,5 @@ once), ``lora`` (peft LoRA adapters inside the fast forms), ``proj`` (a LoRA-ada
 (bitsandbytes 4-bit base weights, dequantized per pass), ``spec`` (a tiled module's form over its parameter
 slots: one call's read and its form with its cut), ``kind`` (which form a module takes: :class:`Kind`).
 
-Imports ``tiledmlp.core`` and ``tiledmlp.kernels``. (``tiledmlp.forms`` was one module before the subpackages; what it
-exported still reads from here until 0.5.0, with a DeprecationWarning naming the defining module:
-``tiledmlp/_deprecated.py``.)
+Imports ``tiledmlp.core`` and ``tiledmlp.kernels``.
 """

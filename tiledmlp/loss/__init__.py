@@ -3,6 +3,5 @@
 loss functions patched per instance), ``lazy_logits`` (the logits placeholder a patched head returns).
 
 Imports ``tiledmlp.distributed`` (strategies, a sequence split), ``tiledmlp.forms``, ``tiledmlp.core`` and
-``tiledmlp.kernels``. (``tiledmlp.loss`` was one module before the subpackages; what it exported still reads from here
-until 0.5.0, with a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
+``tiledmlp.kernels``.
 """

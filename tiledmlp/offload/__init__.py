@@ -4,6 +4,5 @@ buffers, side-stream copies, prefetch, and their notes), ``chain`` (inputs recom
 take, control groups included), ``checkpointing`` (the entry points: a drop-in
 ``checkpoint``, Hugging Face layers' checkpoint function replaced and restored).
 
-Imports ``tiledmlp.core``. (``tiledmlp.offload`` was one module before the subpackages; what it exported still reads
-from here until 0.5.0, with a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
+Imports ``tiledmlp.core``.
 """

@@ -8,6 +8,5 @@ compiled: the core's operator); ``follow`` tiles modules added after ``enable_ti
 call without patching (``apply_tiled_mlp``); ``describe`` reports what was tiled.
 
 The top layer: imports the subpackages below it (all but ``kernels``, which the forms and the core call), and none
-imports it. (``tiledmlp.patching`` was one module before the subpackages; what it exported still reads from here until
-0.5.0, with a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
+imports it.
 """

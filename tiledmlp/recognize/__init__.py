@@ -5,6 +5,4 @@ decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normaliz
 (LoRA-adapted projections).
 
 Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core`` (``logs``, ``compat``).
-(``tiledmlp.recognize`` was one module before the subpackages; what it exported still reads from here until 0.5.0, with
-a DeprecationWarning naming the defining module: ``tiledmlp/_deprecated.py``.)
 """
