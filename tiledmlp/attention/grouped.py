@@ -8,8 +8,7 @@ tensors the core needs at full length — q, k, v, its output and their gradient
 (cuDNN or flash) allocates, for all heads at once, a float32 accumulator for dq (4 bytes per query element) and,
 with grouped KV heads (Llama-3, Qwen, Mistral: 4 or more query heads per KV head), dk and dv expanded to every
 *query* head before summing them per KV head. For Llama-3.1-8B's 32 query and 8 KV heads of 128 features that
-is 16 + 8 + 8 KiB per token on top of the 12 KiB of dq, dk and dv: 44 KiB per token (measured: 44.1), the
-largest item of the peak.
+is 16 + 8 + 8 KiB per token on top of the 12 KiB of dq, dk and dv: 44 KiB per token, the largest item of the peak.
 
 Attention heads are independent, and a KV head is shared only within its group of query heads. So this module's
 backward runs the same kernel one group of KV heads (with their query heads) at a time, writing each group's dq,
@@ -18,10 +17,10 @@ the one SDPA itself picks for the inputs (``torch._fused_sdp_choice``: cuDNN on 
 flash kernel in tests), so values, gradients and speed are SDPA's. The forward is the kernel's own forward, once for
 all heads, saving what SDPA's autograd node saves (q, k, v, the output and the per-row log-sum-exp). A KV head's
 gradient is the same sum over its query heads. Cost: no extra FLOPs; ``groups`` kernel launches instead of one,
-and one copy of each gradient into place (measured on an H100 at 128K tokens, 32/8 heads of 128: 932 -> 947 ms
-for forward and backward, 44.1 -> 17.5 KiB per token of backward scratch and gradients). The number of groups
-is the fewest whose scratch fits the shard policy's ``scratch_mib`` (:func:`kv_heads_per_call`): one group — the
-untouched SDPA call — up to 8K tokens for the 8B shape, eight from 64K. Communication: none (no parameters).
+and one copy of each gradient into place (time and bytes per token measured in ``docs/long-context.md``, "After
+attention=True"). The number of groups is the fewest whose scratch fits the shard policy's ``scratch_mib``
+(:func:`kv_heads_per_call`): one group — the untouched SDPA call — up to 8K tokens for the 8B shape, eight from 64K.
+Communication: none (no parameters).
 
 [Note: the forward's output kept for the recompute]
 Under activation checkpointing a layer's recompute runs the attention core's forward a second time, to rebuild the
@@ -62,7 +61,8 @@ def attention_scratch_per_token(q_heads: int, head_dim: int, grouped: bool, item
 
 
 def kept_bytes_per_token(q_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes per query token of a kept forward ([Note: the forward's output kept for the recompute]): the output and the float32 log-sum-exp."""
+    """Bytes per query token of a kept forward ([Note: the forward's output kept for the recompute]): the output and the
+    float32 log-sum-exp."""
     return q_heads * (head_dim * itemsize + 4)
 
 
@@ -190,8 +190,8 @@ def why_not_grouped(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float, is
 
 
 class KeptForward(NamedTuple):
-    """What a forward kept for its recompute ([Note: the forward's output kept for the recompute]): the kernel's outputs, and what they were computed
-    for."""
+    """What a forward kept for its recompute ([Note: the forward's output kept for the recompute]): the kernel's
+    outputs, and what they were computed for."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -252,13 +252,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
                       kept: Optional[KeptForward] = None,
                       keep: Optional[Callable[[KeptForward], None]] = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)`` with the
-    backward run ``kv_per_call`` KV heads at a time ([Note: what the attention core's backward holds]). ``q``: ``[batch, q_heads, tokens, head_dim]``;
-    ``k``, ``v``: ``[batch, kv_heads, tokens, head_dim]``, ``kv_heads`` dividing ``q_heads`` and divisible by
-    ``kv_per_call``. No mask, no dropout; on a GPU 16-bit inputs. ``kernel``: one of :data:`KERNELS` (default:
-    :func:`sdpa_kernel_name`, what SDPA itself would run). ``keep``: called with what the forward computed, to keep it
-    for the recompute; ``kept``: what the forward this call recomputes kept (:func:`kept_for`), used instead of
-    running the kernel ([Note: the forward's output kept for the recompute]). Memory: what SDPA saves, and one group's backward
-    scratch instead of all heads'; what is kept lives where ``keep`` puts it. Communication: none."""
+    backward run ``kv_per_call`` KV heads at a time ([Note: what the attention core's backward holds]). ``q``: ``[batch,
+    q_heads, tokens, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, tokens, head_dim]``, ``kv_heads`` dividing
+    ``q_heads`` and divisible by ``kv_per_call``. No mask, no dropout; on a GPU 16-bit inputs. ``kernel``: one of
+    :data:`KERNELS` (default: :func:`sdpa_kernel_name`, what SDPA itself would run). ``keep``: called with what the
+    forward computed, to keep it for the recompute; ``kept``: what the forward this call recomputes kept
+    (:func:`kept_for`), used instead of running the kernel ([Note: the forward's output kept for the recompute]).
+    Memory: what SDPA saves, and one group's backward scratch instead of all heads'; what is kept lives where ``keep``
+    puts it. Communication: none."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1] or k.shape[1] % kv_per_call:
         raise ValueError(f"grouped_attention takes q [batch, heads, tokens, dim] and k, v [batch, kv_heads, tokens, "
                          f"dim] with kv_heads dividing heads and kv_per_call dividing kv_heads; got q "
@@ -272,8 +273,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
 
 def kept_for(region: CheckpointRegion, call: tuple) -> Optional[KeptForward]:
     """In a recompute of ``region``: what its forward kept for this call (``call``: :func:`call_key`'s, or
-    ``ulysses_call_key``'s), if it still serves it ([Note: the forward's output kept for the recompute]); None otherwise, said once when something was kept
-    but cannot serve."""
+    ``ulysses_call_key``'s), if it still serves it ([Note: the forward's output kept for the recompute]); None
+    otherwise, said once when something was kept but cannot serve."""
     kept = region.take(ATTENTION)
     if kept is not None and not kept.serves(call):
         warn_once(("kept attention unused",), "attention: a recompute did not reuse the attention output its "

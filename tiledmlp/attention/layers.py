@@ -3,8 +3,8 @@
 Each layer's SDPA call computed by :func:`tiledmlp.attention.grouped.grouped_attention` (the core's backward in
 groups of KV heads; its notes say why and at what cost) or, under DeepSpeed's Ulysses,
 :func:`tiledmlp.attention.ulysses.ulysses_attention`, and q/k/v of a tiled norm's output keeping the norm's input
-(``norm_outputs``). Measured on an H100 (Llama-3.1-8B shape, full fine-tuning): 96.7 -> 60.6 KiB per token, the step no
-slower (``docs/long-context.md``).
+(``norm_outputs``). What that saves per token, and what it costs in time, is measured in ``docs/long-context.md``
+("After attention=True").
 
 [Note: where an attention call is taken]
 Attention code calls ``torch.nn.functional.scaled_dot_product_attention`` (transformers' ``"sdpa"``
@@ -86,8 +86,9 @@ def _seen_call() -> None:
 
 
 class GroupedAttentionMode(TorchFunctionMode):
-    """Takes ``F.scaled_dot_product_attention`` calls that :func:`grouped_attention` can compute ([Note: where an attention call is taken]);
-    counts, per reason, the calls it leaves to the original. Every other function passes through unchanged."""
+    """Takes ``F.scaled_dot_product_attention`` calls that :func:`grouped_attention` can compute ([Note: where an
+    attention call is taken]); counts, per reason, the calls it leaves to the original. Every other function passes
+    through unchanged."""
 
     def __init__(self, scratch_mib: Optional[float] = None,
                  find_ulysses: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> None:

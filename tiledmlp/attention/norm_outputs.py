@@ -97,7 +97,8 @@ def _keeps_its_input(xn: torch.Tensor, weight: Any, bias: Any) -> bool:
 
 def linear_of_norm_output(xn: Any, weight: Any, bias: Any = None) -> Optional[torch.Tensor]:
     """``F.linear(xn, weight, bias)`` keeping the norm's input, when ``xn`` is a remembered norm output and nothing
-    makes the call keep its own input ([Note: the norm's output, recomputed]); None otherwise (the caller runs the call itself)."""
+    makes the call keep its own input ([Note: the norm's output, recomputed]); None otherwise (the caller runs the call
+    itself)."""
     found = _norm_input_of(xn)
     if found is None or _keeps_its_input(xn, weight, bias):
         return None

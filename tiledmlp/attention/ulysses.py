@@ -6,11 +6,10 @@ Under Ulysses each rank holds ``s`` of the sequence's ``S = P s`` tokens. Around
 trades tokens for heads: q, k and v of the rank's tokens and every head become those of every token and ``1/P``
 of the heads, the core runs, and a second all-to-all trades back. DeepSpeed's ``UlyssesSPAttentionHF`` does each
 trade on whole tensors, with a contiguous copy on each side of the collective, while the caller still holds the
-local q, k and v: measured on two H100s (Llama-3.1-8B shape, one layer, 262,144 tokens a rank, ``attention=True``,
-``benchmarks/bench_sp.py --memory-trace``), the layer's recompute peaks at the output's trade back with the local
-q/k/v (12 KiB a local token), the exchanged ones (12, saved by the core), the core's output (8, saved), its
-transposed copy (8), the all-to-all's output (8) and its reordered copy (8): 94.1 KiB a local token at the step's
-peak against 67.9 on one GPU.
+local q, k and v: the layer's recompute peaks at the output's trade back with the local q/k/v, the exchanged ones (saved
+by the core), the core's output (saved), its transposed copy, the all-to-all's output and its reordered copy (profiled
+on two H100s, ``benchmarks/bench_sp.py --memory-trace``; the bytes per local token against one GPU's in
+``docs/sequence-parallel.md``).
 
 This node does both trades and the core in one, one group of KV heads (a *slot*: the same heads' positions on every
 rank) at a time: it exchanges the slot's q, k and v, runs SDPA's kernel on them, and sends the slot's output back
@@ -25,8 +24,8 @@ and its outputs for those heads, ``P`` times what one GPU holds per local token 
 KV head's query heads outgrow the shard policy's scratch budget (``query_heads_per_call``; from about 100K tokens a
 rank for the 8B shape over two ranks), its query heads go a few at a time (one, at the longest lengths), each call
 giving that KV head a share of dk and dv, summed in float32 and rounded once — as SDPA's own grouped-query path
-sums the expanded heads' gradients. With that, a local token costs what it costs on one GPU: 69.0 KiB at 262,144
-tokens a rank on two H100s against 67.9 on one (the same tiling, ``benchmarks/results/profile_layer_memory_*``).
+sums the expanded heads' gradients. With that, a local token costs about what it costs on one GPU
+(``docs/sequence-parallel.md``, profiled in ``benchmarks/results/profile_layer_memory_*``).
 
 [Note: where a Ulysses call is taken]
 DeepSpeed's ``register_with_transformers`` puts a wrapper in transformers' attention table that calls a
@@ -92,8 +91,8 @@ def _to_heads(y: torch.Tensor, into: torch.Tensor, heads: slice, world: int, gro
 
 class _UlyssesAttention(torch.autograd.Function):
     """Forward and backward per slot of ``kv_per_call`` KV heads, the backward's kernel ``q_per_call`` query heads at
-    a time ([Note: the backward's scratch]); ``kept``/``keep`` as in ``grouped_attention`` (the output of the rank's tokens and the
-    exchanged log-sum-exps)."""
+    a time ([Note: the backward's scratch]); ``kept``/``keep`` as in ``grouped_attention`` (the output of the rank's
+    tokens and the exchanged log-sum-exps)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, is_causal: bool,
@@ -173,15 +172,16 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       kernel: str = "FLASH_ATTENTION", kept: Optional[KeptForward] = None,
                       keep: Optional[Callable[[KeptForward], None]] = None) -> torch.Tensor:
     """The attention of a sequence split over the ranks of ``group`` from this rank's part, as DeepSpeed's Ulysses
-    computes it around SDPA (``enable_gqa``, no mask, no dropout), with the exchanges inside ([Note: what a split sequence's attention holds]).
+    computes it around SDPA (``enable_gqa``, no mask, no dropout), with the exchanges inside ([Note: what a split
+    sequence's attention holds]).
 
     ``q``: ``[batch, heads, s, dim]``, ``k``, ``v``: ``[batch, kv_heads, s, dim]`` of this rank's ``s`` tokens (the
     ranks' parts in rank order make the sequence); ``kv_heads`` divisible by the group's size ``P``, and
     ``kv_heads / P`` by ``kv_per_call`` (KV heads per slot). ``kernel``: the ``SDPBackend`` name of SDPA's choice for
     one slot's exchanged inputs (``grouped.KERNELS``). ``q_per_call``: query heads per backward kernel call (default
-    all of a slot's; fewer only with one KV head a slot, dividing its query heads). Returns ``[batch, heads, s, dim]``, laid out as
-    ``[batch, s, heads, dim]`` (the output projection's rows: transposing back is free). ``kept``/``keep``: as
-    ``grouped_attention``'s. Every rank of ``group`` must call it with the same shapes, in the same order.
+    all of a slot's; fewer only with one KV head a slot, dividing its query heads). Returns ``[batch, heads, s, dim]``,
+    laid out as ``[batch, s, heads, dim]`` (the output projection's rows: transposing back is free). ``kept``/``keep``:
+    as ``grouped_attention``'s. Every rank of ``group`` must call it with the same shapes, in the same order.
     Memory and communication: [Note: what a split sequence's attention holds]."""
     world = dist.get_world_size(group)
     groups = q.shape[1] // max(k.shape[1], 1)
@@ -258,7 +258,8 @@ def slot_kernel(query: torch.Tensor, key: torch.Tensor, q_heads: int, kv_heads: 
 class UlyssesForward:
     """Installed as the ``forward`` of DeepSpeed's ``UlyssesSPAttentionHF`` instance that a model tiled with
     ``attention=True`` calls (:func:`install_ulysses`): inside that model's attention blocks its calls go to the
-    block's mode (``tiledmlp.attention.layers.GroupedAttentionMode.ulysses``, :func:`in_block`); elsewhere (a model sharing the instance untiled) its own forward runs.
+    block's mode (``tiledmlp.attention.layers.GroupedAttentionMode.ulysses``, :func:`in_block`); elsewhere (a model
+    sharing the instance untiled) its own forward runs.
     Cost outside: a context variable read per call."""
 
     def __init__(self, ulysses: nn.Module) -> None:

@@ -83,7 +83,8 @@ class OperatorImpl(Protocol):
 
 
 def module_key(module: torch.nn.Module, impl: OperatorImpl) -> torch.Tensor:
-    """A new key naming ``module`` to the operators, which run ``impl`` for it (see [Note: why an operator pair, and what crosses it])."""
+    """A new key naming ``module`` to the operators, which run ``impl`` for it (see [Note: why an operator pair, and
+    what crosses it])."""
     key = torch.empty(0)
     setattr(key, _MODULE_ATTR, module)
     setattr(key, _IMPL_ATTR, impl)

@@ -32,8 +32,8 @@ class Place(_Name):
 
 
 class OptimizerPlacement(_Name):
-    """Where an optimizer's states live and when it steps (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]), fastest
-    first."""
+    """Where an optimizer's states live and when it steps (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds,
+    and when]), fastest first."""
 
     GPU = "gpu"  # on the device, stepped after backward
     BACKWARD = "backward"  # on the device, each parameter stepped inside backward and its gradient freed

@@ -344,7 +344,7 @@ def loss_tile(tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, 
     partials as tensors) the partial buffer (``LOSS_PARTIAL_MIB``, at most a quarter of the budget)
     and, when the vocabulary is chunked, the shard's float32 input-gradient sum. Float32 (or bf16)
     sums take no partial buffer: cuBLAS adds each GEMM into the accumulator, so the logits get the whole
-    budget (on an H200, V = 262144 at 8K tokens: 512- instead of 432-token shards, 109.8 vs 121.3 ms).
+    budget (larger shards, faster: measured in ``docs/loss.md``).
     ``fusable``: the caller sums the per-token losses and wants gradients (so they may be finished in
     forward). ``mode="auto"`` fuses when a fused shard holds at least ``MIN_FUSED_ROWS`` tokens (or
     all of them).

@@ -53,7 +53,8 @@ def _uses_sdpa(model: nn.Module) -> bool:
 
 
 def check_grouped_kv_under_cp(model: nn.Module, split: Optional[SequenceSplit] = None) -> None:
-    """Refuse grouped KV heads in SDPA attention under torch's context parallelism ([Note: why the heads are repeated at the projections]), naming the fix.
+    """Refuse grouped KV heads in SDPA attention under torch's context parallelism ([Note: why the heads are repeated at
+    the projections]), naming the fix.
     ``split``: the model's, where the caller knows it (default: :func:`split_of`). Costs one scan of the model's
     modules when its sequence is split by context parallelism, nothing otherwise."""
     split = split if split is not None else split_of(model)
@@ -121,8 +122,9 @@ def _why_not_repeatable(module: nn.Module) -> str:
 def repeat_kv_heads(model: nn.Module) -> RepeatedKVHeads:
     """Repeat every grouped KV head of ``model``'s attention at its ``k_proj``/``v_proj`` outputs and set
     ``num_key_value_groups`` to 1, so that transformers' SDPA call never asks for grouped-query attention: what
-    torch's ``context_parallel`` needs for Llama-3/Qwen/Mistral models ([Note: why the heads are repeated at the projections]). Exact (values and gradients
-    equal the grouped model's); call it before training under context parallelism, with or without tiling.
+    torch's ``context_parallel`` needs for Llama-3/Qwen/Mistral models ([Note: why the heads are repeated at the
+    projections]). Exact (values and gradients equal the grouped model's); call it before training under context
+    parallelism, with or without tiling.
 
     Memory: each layer's K and V activations ``num_key_value_groups`` times larger, as the eager path makes them; a
     KV cache filled meanwhile holds the repeated heads. Communication: the ring exchanges the repeated K and V (its

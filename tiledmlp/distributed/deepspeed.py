@@ -227,8 +227,9 @@ def hold(params: Iterable[torch.Tensor]) -> Optional[Callable[[], None]]:
 
 @contextlib.contextmanager
 def gathered_for_backward(params: Sequence[torch.Tensor], module: Optional[nn.Module] = None) -> Iterator[None]:
-    """Backward of a tiled node ([Note: ZeRO stage 3: one gather per tiled call, explicit, in this order], steps 2-3): gather ``params``; on exit release the frozen ones
-    and leave each trainable one gathered until autograd has accumulated its gradient."""
+    """Backward of a tiled node ([Note: ZeRO stage 3: one gather per tiled call, explicit, in this order], steps 2-3):
+    gather ``params``; on exit release the frozen ones and leave each trainable one gathered until autograd has
+    accumulated its gradient."""
     need = _gather(params, module)
     try:
         yield

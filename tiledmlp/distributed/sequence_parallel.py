@@ -102,7 +102,8 @@ def _cp_of(mesh: Any) -> int:
 
 
 def split_of(model: nn.Module) -> Optional[SequenceSplit]:
-    """How ``model``'s sequence is split across ranks (see [Note: what a split sequence changes for tiling]), or None."""
+    """How ``model``'s sequence is split across ranks (see [Note: what a split sequence changes for tiling]), or
+    None."""
     group = _ulysses_group()
     if group is not None and any(_ulysses_attention(m) for m in model.modules() if hasattr(m, "config")):
         size = dist.get_world_size(group)

@@ -285,8 +285,9 @@ class DeepSpeedStrategy(Strategy):
     per backward. Under stage 3 each call gathers the tiled module's partitioned parameters in one
     coalesced all-gather before they are read and partitions them once the node is built; backward
     gathers them again for the recompute and releases each as soon as autograd has accumulated its
-    gradient (``deepspeed.py``, [Note: ZeRO stage 3: one gather per tiled call, explicit, in this order]). ZeRO's fetch hooks on the module's children are hidden
-    while shards run, so the generic form's per-shard calls neither gather nor enter ZeRO's trace.
+    gradient (``deepspeed.py``, [Note: ZeRO stage 3: one gather per tiled call, explicit, in this order]). ZeRO's fetch
+    hooks on the module's children are hidden while shards run, so the generic form's per-shard calls neither gather nor
+    enter ZeRO's trace.
     """
 
     name = "deepspeed"

@@ -217,7 +217,8 @@ class Localized:
 
 def localize(plan: TPPlan, name: str, x: torch.Tensor, params: Sequence[torch.Tensor],
              layout: MLPLayout) -> Localized:
-    """Local input, local parameter shards and a layout without the down bias, for one call ([Note: where the collectives happen, and why tiles never communicate])."""
+    """Local input, local parameter shards and a layout without the down bias, for one call ([Note: where the
+    collectives happen, and why tiles never communicate])."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     for p in params:

@@ -134,8 +134,9 @@ def dequantized(params: Sequence[torch.Tensor], quantized: dict[int, Any], dtype
 
 
 class QuantizedMLPForm(MLPForm):
-    """The fast form of an MLP with 4-bit projections (see [Note: what a 4-bit projection computes, and how the fast form computes it]): ``quantized`` maps the index of
-    each 4-bit weight among the call's tensors to its quantization state; ``compute_dtype`` is ``c``."""
+    """The fast form of an MLP with 4-bit projections (see [Note: what a 4-bit projection computes, and how the fast
+    form computes it]): ``quantized`` maps the index of each 4-bit weight among the call's tensors to its quantization
+    state; ``compute_dtype`` is ``c``."""
 
     def __init__(self, layout: MLPLayout, inter_chunks: int, quantized: dict[int, Any],
                  compute_dtype: torch.dtype) -> None:

@@ -61,7 +61,8 @@ class Reading:
 
 @dataclass(frozen=True)
 class _Pattern:
-    """What one identity pattern of the slots' tensors decides ([Note: a form decided once, checked cheaply]), kept with the ``ids`` it was made for."""
+    """What one identity pattern of the slots' tensors decides ([Note: a form decided once, checked cheaply]), kept with
+    the ``ids`` it was made for."""
 
     ids: tuple[int, ...]
     firsts: tuple[int, ...]  # per unique tensor, the first slot holding it

@@ -10,11 +10,10 @@ the caller sums (``mean``/``sum``) or returns (``none``).
 [Note: why the head gradient is summed in float32]
 A loss call has many shards (32 at 32K tokens for a 128K vocabulary under the default budget) and its
 per-shard head-gradient partials cancel heavily (``p - onehot``). Block-scaled float16 sums of bf16
-partials, which the MLPs use, measured 1.20x (8K) and 1.46x (32K) the untiled gradient error on an
-H200; float32 sums measured 1.00x, and were also faster (cuBLAS adds each partial in its epilogue
-instead of a separate pass): 46.9 vs 53.3 ms at 8K, 184.0 vs 202.8 ms at 32K (``bench_loss``). Exact
-2-byte sums need a GEMM that adds its float32 result into them in its own epilogue; written in Triton
-it measured slower than cuBLAS with float32 C (``docs/loss.md``), so it was not built.
+partials, which the MLPs use, were further from the untiled gradient than the untiled bf16 error, and float32 sums were
+not, and faster too (cuBLAS adds each partial in its epilogue instead of a separate pass; both measured with
+``bench_loss``, ``docs/loss.md``). Exact 2-byte sums need a GEMM that adds its float32 result into them in its own
+epilogue; written in Triton it measured slower than cuBLAS with float32 C (``docs/loss.md``), so it was not built.
 
 [Note: two ways to cut the work (``sharding.loss_tile``)]
 *Fused* (default when it fits): a shard of tokens computes the logits of the whole vocabulary in one
@@ -107,7 +106,8 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class LinearCrossEntropyForm:
-    """Form of the tiled function for ``loss_t = CE(f(x_t @ W.T + b), label_t)`` (see [Note: two ways to cut the work (``sharding.loss_tile``)]).
+    """Form of the tiled function for ``loss_t = CE(f(x_t @ W.T + b), label_t)`` (see [Note: two ways to cut the work
+    (``sharding.loss_tile``)]).
 
     Side inputs (cut with the tokens): the labels, and in recompute mode each token's logsumexp, which
     forward writes and backward reads. The output rows are ``coef * loss_t`` (float32; float64 for

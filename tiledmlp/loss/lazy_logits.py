@@ -18,19 +18,18 @@ since the forward (an optimizer step, through ``.data`` too), a ``ValueError`` s
 before updating the model ([Note: a head changed before its logits are read]).
 
 Costs: creating one is a few microseconds and one fingerprint of the head's parameters (a read of the
-weight); it keeps a reference to the hidden states until the loss's backward begins ([Note: the hidden states after the loss's
-backward]).
-Materializing costs what the untiled head costs.
+weight); it keeps a reference to the hidden states until the loss's backward begins ([Note: the hidden states after the
+loss's backward]). Materializing costs what the untiled head costs.
 
 [Note: the hidden states after the loss's backward]
 The common loop keeps the model's output through backward (``outputs = model(**batch); outputs.loss.backward()``,
-accelerate's examples), and with it this placeholder: had it kept the hidden states, they (``tokens x hidden``, 8 KiB
-a token for Llama-3.1-8B in bf16) would live through every layer's backward, after the loss's own backward no longer
-needs them: measured on an H200, 6.0 GiB over the plan at 786,432 tokens, past an explicit budget. The Trainer's
-loop drops the output before backward, so the two loops differed by exactly that. So the placeholder lets go of them
-when the loss's backward begins (a pre-hook on the loss's node; the loss's own saved tensors keep what its backward
-needs until it has run): both loops then hold the same, the plan's. Reading the logits after that raises a
-``ValueError`` saying to read them before ``loss.backward()``; before it, they are computed as always.
+accelerate's examples), and with it this placeholder: had it kept the hidden states (``tokens x hidden``), they would
+live through every layer's backward, after the loss's own backward no longer needs them, past the plan and an explicit
+budget (measured: ``docs/long-context.md``, the two loops). The Trainer's loop drops the output before backward, so the
+two loops differed by exactly that. So the placeholder lets go of them when the loss's backward begins (a pre-hook on
+the loss's node; the loss's own saved tensors keep what its backward needs until it has run): both loops then hold the
+same, the plan's. Reading the logits after that raises a ``ValueError`` saying to read them before ``loss.backward()``;
+before it, they are computed as always.
 
 [Note: a head changed before its logits are read]
 An optimizer that writes through ``.data`` (bitsandbytes' 8-bit Adam, DeepSpeed's ZeRO copying its updated
@@ -41,9 +40,7 @@ sum of their bits read as 64-bit integers, modulo 2**64), and compared when the 
 is exact and independent of the order it is added in, so any one element changed changes it, NaNs included.
 Right or refused: the old weights are not kept (a copy of the head per step), so a changed head is a ``ValueError``
 naming the fix. Cost: one read of the head's weight per call with labels, beside the tiled loss's ``6 T H V`` FLOP
-and its reads of that weight per shard: measured on a CPU (a 1024 x 32000 float32 head, 4096 tokens) 16 ms against
-24.6 s for the loss's forward and backward (0.07%); on a GPU one read of the weight (estimated, not measured: ~0.3 ms
-for Llama-3-8B's 1 GiB head on an H200, against ~20 ms for the loss of 4K tokens). Held: one integer per parameter.
+and its reads of that weight per shard (``docs/loss.md`` has the measured share). Held: one integer per parameter.
 The hidden states are an activation, which nothing writes through ``.data``: their version counter stands for them,
 or, under ``torch.inference_mode`` (whose tensors track no version), their fingerprint. Everything else the logits
 depend on was computed before the head (the final norm's output is the hidden states kept); the scalar of a folded
@@ -80,8 +77,8 @@ class LogitsRecipe:
     read then. Materializing raises a ``ValueError`` when they cannot be used any more: storage freed
     (an FSDP unit resharded the head) or their values changed since (an optimizer step) — the untiled
     logits were computed before either. ``on_materialize`` is told the op that forced it (the tiled
-    loss refuses logits that the model materialized before its loss). [Note: a head changed before its logits are read] says how
-    a change is seen."""
+    loss refuses logits that the model materialized before its loss). [Note: a head changed before its logits are read]
+    says how a change is seen."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  on_materialize: Callable[[str], None] = lambda op: None) -> None:
@@ -94,8 +91,9 @@ class LogitsRecipe:
         return [t for t in (self.hidden, self.weight, self.bias) if t is not None]
 
     def _marks_now(self) -> list[Any]:
-        """What stands for each tensor's values ([Note: a head changed before its logits are read]): the hidden states' version, the parameters'
-        fingerprints (a ZeRO-3 parameter's: its partition's, which is what its optimizer step overwrites)."""
+        """What stands for each tensor's values ([Note: a head changed before its logits are read]): the hidden states'
+        version, the parameters' fingerprints (a ZeRO-3 parameter's: its partition's, which is what its optimizer step
+        overwrites)."""
         hidden = self.hidden
         marks: list[Any] = [fingerprint(hidden) if hidden.is_inference() else hidden._version]
         for p in self.head_params():

@@ -61,8 +61,8 @@ def _strong(ref: Callable[[], Any], what: str) -> Any:
 
 @dataclass
 class LayerCall:
-    """What one checkpointed layer was called with in forward, held weakly (see [Note: a recompute chain]), and how to make
-    its input present on the device again (``present``: nothing, a copy back from the host, or a rebuild)."""
+    """What one checkpointed layer was called with in forward, held weakly (see [Note: a recompute chain]), and how to
+    make its input present on the device again (``present``: nothing, a copy back from the host, or a rebuild)."""
 
     function: Callable[[], Any]
     args: tuple[Callable[[], Any], ...]

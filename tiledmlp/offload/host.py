@@ -198,8 +198,7 @@ class HostOffload:
     def expect(self, regions: int) -> None:
         """This step offloads ``regions`` layer inputs: buffers are pinned ahead, and the host memory checked, for
         that many. Only the layers placed on the host count: a placement that keeps 5 of 8 layers on the device pins
-        3 buffers, not 8 (measured before: 8B shape, 8 layers at 1M tokens on an H200, 41 GiB of host memory pinned
-        for inputs that stayed on the device)."""
+        3 buffers, not 8 (pinning 8 held host memory for inputs that stayed on the device)."""
         self.expected_regions = regions
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""An optimizer built by name with a placement (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]): torch's AdamW (fused or
-foreach) or bitsandbytes' 8-bit AdamW on the device; the same stepped in backward; torch's fused AdamW on the host
-through torchao's ``CPUOffloadOptimizer``. No optimizer of our own: the placement is torch's hooks or torchao's."""
+"""An optimizer built by name with a placement (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and
+when]): torch's AdamW (fused or foreach) or bitsandbytes' 8-bit AdamW on the device; the same stepped in backward;
+torch's fused AdamW on the host through torchao's ``CPUOffloadOptimizer``. No optimizer of our own: the placement is
+torch's hooks or torchao's."""
 
 from __future__ import annotations
 

@@ -121,7 +121,8 @@ def _remove(handles: list[Any]) -> None:
 
 def step_in_backward(optimizer: torch.optim.Optimizer) -> StepInBackward:
     """Step each parameter of ``optimizer`` inside backward, as soon as its gradient is complete, and free that
-    gradient ([Note: stepping one parameter of an existing optimizer]): the gradients of the model never all exist. Bit-identical to stepping after backward.
+    gradient ([Note: stepping one parameter of an existing optimizer]): the gradients of the model never all exist.
+    Bit-identical to stepping after backward.
     ``optimizer``: any torch optimizer that skips parameters without a gradient (torch's, bitsandbytes'), or the
     one inside accelerate's ``AcceleratedOptimizer``. Refused for a host-placed optimizer (its step is on the CPU),
     under data parallelism, and twice on one optimizer. Memory: the states as before; at most the gradients of the

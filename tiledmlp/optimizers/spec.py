@@ -66,9 +66,9 @@ _WHERE = {GPU: "states on the device", BACKWARD: "stepped in backward, states on
 class OptimizerSpec:
     """An optimizer as the memory plan sees it: its algorithm (``"adamw"``, ``"adamw8bit"``, ``"sgd"``, ``"other"``),
     implementation (``"fused"``, ``"foreach"``, ``"for-loop"``, ``"8-bit"``, ``"paged 8-bit"``, an engine's name) and
-    placement (``"gpu"``, ``"backward"``, ``"host"``: [Note: what an optimizer holds, and when]). ``momentum``: SGD's; ``engine``: the placement is
-    a DeepSpeed or FSDP2 offload read from the wrapping, counted from their documented layout but not measured
-    here; ``name``: the name it was given by."""
+    placement (``"gpu"``, ``"backward"``, ``"host"``: [Note: what an optimizer holds, and when]). ``momentum``: SGD's;
+    ``engine``: the placement is a DeepSpeed or FSDP2 offload read from the wrapping, counted from their documented
+    layout but not measured here; ``name``: the name it was given by."""
 
     algorithm: str
     implementation: str
@@ -95,7 +95,8 @@ class OptimizerSpec:
         return self.placement != GPU and self.engine is None
 
     def state_bytes(self, numel: int, itemsize: int) -> int:
-        """The states of one parameter of ``numel`` elements of ``itemsize`` bytes ([Note: what an optimizer holds, and when])."""
+        """The states of one parameter of ``numel`` elements of ``itemsize`` bytes ([Note: what an optimizer holds, and
+        when])."""
         if self.algorithm == "adamw8bit":
             if numel < BNB_MIN_8BIT_SIZE:
                 return 8 * numel
@@ -125,8 +126,8 @@ class OptimizerSpec:
 
     def step_temporary_bytes(self, sizes: Sequence[tuple[int, int]]) -> int:
         """The largest the step allocates beyond the states, for parameters of ``(numel, itemsize)`` on the device
-        ([Note: what an optimizer holds, and when]): foreach one state's worth of every parameter at once (stepped in backward: of one), the
-        for-loop path two of the largest parameter, the fused and 8-bit kernels nothing."""
+        ([Note: what an optimizer holds, and when]): foreach one state's worth of every parameter at once (stepped in
+        backward: of one), the for-loop path two of the largest parameter, the fused and 8-bit kernels nothing."""
         on_device = [(n, i) for n, i in sizes if self.device_state_bytes(n, i)]
         if not on_device or self.algorithm != "adamw" or self.implementation not in ("foreach", "for-loop"):
             return 0

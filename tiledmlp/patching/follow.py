@@ -1,11 +1,11 @@
 """Modules added to a tiled model after ``enable_tiling``: tiled at the model's next training call, as if they had been
-there. A tiled module follows what changes below it itself (``state.py``, [Note: a module that changed since it was planned]); what appears elsewhere —
-peft's LoRA layers on the attention projections with ``projections=True``, a replaced MLP or normalization layer —
-has no tiled module above it to notice. So ``enable_tiling`` leaves a forward pre-hook on the model it was given
-(:class:`FollowAdded`), which keeps that model's modules (``modules()`` order) and, at each call with a gradient,
-compares them by identity: a walk of the model's modules (about a millisecond for an 8B model with LoRA adapters);
-inference, generation and compiled calls skip it. When they changed, the new modules are planned with the options
-``enable_tiling`` was given (``planning.plan_added``) and patched, said once.
+there. A tiled module follows what changes below it itself (``state.py``, [Note: a module that changed since it was
+planned]); what appears elsewhere — peft's LoRA layers on the attention projections with ``projections=True``, a
+replaced MLP or normalization layer — has no tiled module above it to notice. So ``enable_tiling`` leaves a forward
+pre-hook on the model it was given (:class:`FollowAdded`), which keeps that model's modules (``modules()`` order) and,
+at each call with a gradient, compares them by identity: a walk of the model's modules (about a millisecond for an 8B
+model with LoRA adapters); inference, generation and compiled calls skip it. When they changed, the new modules are
+planned with the options ``enable_tiling`` was given (``planning.plan_added``) and patched, said once.
 """
 
 from __future__ import annotations

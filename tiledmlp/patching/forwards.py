@@ -102,9 +102,9 @@ def _has_tensor(values: Iterable[Any]) -> bool:
 
 def replan_if_changed(module: nn.Module, state: TilingState) -> TilingState:
     """``module``'s state, planned again (and installed) where its submodules changed since it was planned
-    (``state.py``, [Note: a module that changed since it was planned]): a call never computes with children the module no longer has, nor misses new
-    ones. Said once per kind of change: at INFO where the module is tiled again, as a warning where it now takes the
-    generic form or runs untiled."""
+    (``state.py``, [Note: a module that changed since it was planned]): a call never computes with children the module
+    no longer has, nor misses new ones. Said once per kind of change: at INFO where the module is tiled again, as a
+    warning where it now takes the generic form or runs untiled."""
     changes = state.changes(module)
     if not changes:
         return state

@@ -18,7 +18,8 @@ from .timing import step_seconds
 __all__ = ["CHOICES", "options_for_length"]
 
 #: the memory options ``enable_tiling(model, seq_len=T)`` chooses among where they are not given: of the combinations
-#: that fit, the fastest by the plan's estimate (``tiledmlp.plan.timing``, [Note: what differs between the options]), the fewest options on a tie;
+#: that fit, the fastest by the plan's estimate (``tiledmlp.plan.timing``, [Note: what differs between the options]),
+#: the fewest options on a tie;
 #: ``offload`` is ``"auto"`` wherever the layers checkpoint (every placement of None or ``"cpu"`` is one of its own,
 #: and it places each step's inputs again at run time, so a longer step than planned is placed, not run out of memory)
 CHOICES = {"norms": (False, True), "attention": (False, True)}

@@ -7,7 +7,8 @@ the host (``offload``), or nowhere (recomputed from the layer below: ``tiledmlp.
 one layer's backward, where that layer's recompute has rebuilt what its forward saves and its backward runs. Layer
 ``i``'s backward holds:
 
-* the weights, and the optimizer states the device holds (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]);
+* the weights, and the optimizer states the device holds (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds,
+  and when]);
 * the gradients made so far: the head's and those of layers ``i`` and above (the input embedding's comes last); with
   the optimizer stepped in backward or on the host, each is freed as it completes: at most the MLP's of layer ``i``,
   beside its shard scratch, and a head tied to the input embedding's, which waits for the embedding's share until the
@@ -23,9 +24,9 @@ one layer's backward, where that layer's recompute has rebuilt what its forward 
 A layer that keeps its attention output (below) peaks earlier, inside its recompute, before its own gradients exist:
 the recompute reuses the kept output and holds, besides q/k/v and that output, the layer input, the gradient in, the
 output projection's contiguous input, its output, the residual and the MLP's output (six hidden vectors), and RoPE's
-cos and sin: 68.6 KiB per token of the 8B shape, one more hidden vector than the backward. Profiled on an H200
-(``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``: 46.19 GiB against
-this model's 46.12); without the term the plan was low by 3.4 KiB per token from 640K tokens, past its margin.
+cos and sin: one more hidden vector than the backward. Profiled on an H200
+(``benchmarks/results/profile_layer_memory_nvidia-h200_8b_2l_524288_loss+norms+auto+attn.md``; the plan against it, and
+how low it was without this term, in ``docs/long-context.md``).
 
 [Note: without checkpointing]
 A model whose layers do not checkpoint keeps each layer's activations from its forward to its backward, not only
@@ -57,8 +58,8 @@ What the device budget has left once the inputs are placed buys time, in this or
 
 1. the attention core's output and log-sum-exp kept from each layer's forward for its recompute (with
    ``attention=True``, where its calls are grouped: ``tiledmlp.attention.grouped``,
-   [Note: the forward's output kept for the recompute]), the top layers first. It saves one attention forward per layer, about 15% of a long step and
-   quadratic in the tokens, for 8.1 KiB per token (8B shape);
+   [Note: the forward's output kept for the recompute]), the top layers first. It saves one attention forward per layer,
+   about 15% of a long step and quadratic in the tokens, for 8.1 KiB per token (8B shape);
 2. then inputs kept on the device instead of the host: each saves a copy each way, linear in the tokens and
    overlapped with compute (measured 0-4% of a step at 128K-768K, ``docs/long-context.md``), for 8 KiB per token.
 
@@ -121,7 +122,8 @@ class StepOptions:
 
 
 def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per token of one layer's backward at its peak, the layer input included ([Note: what is counted, where the peak is])."""
+    """Bytes per token of one layer's backward at its peak, the layer input included ([Note: what is counted, where the
+    peak is])."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     core_saved = q * a + shape.heads * 4  # the attention core's output and its float32 log-sum-exp
     qkv = (q + 2 * kv) * a
@@ -140,8 +142,8 @@ def working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
 
 
 def recompute_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per token of a layer's recompute at its peak where the layer keeps its attention output ([Note: what is counted, where the peak is]):
-    the kept output and log-sum-exp, q/k/v, six hidden vectors and RoPE's cos and sin."""
+    """Bytes per token of a layer's recompute at its peak where the layer keeps its attention output ([Note: what is
+    counted, where the peak is]): the kept output and log-sum-exp, q/k/v, six hidden vectors and RoPE's cos and sin."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     modelled = q * a + shape.heads * 4 + (q + 2 * kv) * a + 6 * h * a + 2 * shape.head_dim * a
     return modelled + (0 if options.norms else UNTILED_NORMS_RECOMPUTE_HIDDEN_VECTORS * h * a)
@@ -155,9 +157,10 @@ def _kv_heads_per_call(shape: ModelShape, options: StepOptions, tokens: int) -> 
 
 def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> Optional[int]:
     """Under a Ulysses split with ``attention=True``, the backward's scratch of one KV-head slot over the whole
-    sequence (``tiledmlp.attention.ulysses``, [Note: the backward's scratch]): the kernel's for the query heads of a call and the KV
-    heads' dk, dv, the slot's exchanged q, output, output gradient, k and v, and, where a KV head's query heads are
-    split over calls, dk and dv summed in float32. None where the calls are short enough to run as Ulysses does."""
+    sequence (``tiledmlp.attention.ulysses``, [Note: the backward's scratch]): the kernel's for the query heads of a
+    call and the KV heads' dk, dv, the slot's exchanged q, output, output gradient, k and v, and, where a KV head's
+    query heads are split over calls, dk and dv summed in float32. None where the calls are short enough to run as
+    Ulysses does."""
     world = options.ulysses
     whole, heads, kv_heads = tokens * world, shape.heads // world, shape.kv_heads // world
     d, a, scratch = shape.head_dim, shape.act_itemsize, options.scratch_mib
@@ -175,18 +178,20 @@ def _ulysses_slot_bytes(shape: ModelShape, options: StepOptions, tokens: int) ->
 
 
 def ulysses_working_bytes_per_token(shape: ModelShape, options: StepOptions) -> float:
-    """Bytes per local token of a layer's backward inside a Ulysses slot's backward (``tiledmlp.attention.ulysses``, [Note: what a split sequence's attention holds]):
-    the attention's saved q, k, v, output and log-sum-exp, the output's gradient, the gradient into the layer, dq, dk
-    and dv, the layer input (and, unless ``norms=True``, the untiled norms' copies)."""
+    """Bytes per local token of a layer's backward inside a Ulysses slot's backward (``tiledmlp.attention.ulysses``,
+    [Note: what a split sequence's attention holds]): the attention's saved q, k, v, output and log-sum-exp, the
+    output's gradient, the gradient into the layer, dq, dk and dv, the layer input (and, unless ``norms=True``, the
+    untiled norms' copies)."""
     a, h, q, kv = shape.act_itemsize, shape.hidden, shape.q_width, shape.kv_width
     modelled = 2 * (q + 2 * kv) * a + 2 * q * a + shape.heads * 4 + 2 * h * a
     return modelled + (0 if options.norms else UNTILED_NORMS_HIDDEN_VECTORS * h * a)
 
 
 def scratch_bytes(shape: ModelShape, options: StepOptions, tokens: int) -> int:
-    """The scratch of the tiled computation at a layer's backward peak ([Note: what is counted, where the peak is]): with ``attention=True`` the
-    larger of the shard budget and one call's KV-head groups' backward scratch (under Ulysses the shard budget: a
-    slot's is :func:`_ulysses_slot_bytes`, at a moment of its own); 0 without (a per-token term)."""
+    """The scratch of the tiled computation at a layer's backward peak ([Note: what is counted, where the peak is]):
+    with ``attention=True`` the larger of the shard budget and one call's KV-head groups' backward scratch (under
+    Ulysses the shard budget: a slot's is :func:`_ulysses_slot_bytes`, at a moment of its own); 0 without (a per-token
+    term)."""
     if not options.attention:
         return 0
     if _ulysses_slot_bytes(shape, options, tokens) is not None:
@@ -247,7 +252,8 @@ def _mlp_gradients_beyond_scratch(shape: ModelShape, options: StepOptions, token
 def step_peak(shape: ModelShape, options: StepOptions, tokens: int, places: Sequence[str],
               keeps: Optional[Sequence[bool]] = None) -> Peak:
     """The peaks of a step over ``tokens`` local tokens with the checkpointed layers' inputs at ``places`` and
-    their attention outputs kept where ``keeps`` says ([Note: what is counted, where the peak is], [Note: placement])."""
+    their attention outputs kept where ``keeps`` says ([Note: what is counted, where the peak is], [Note:
+    placement])."""
     n, layer_grad_bytes = len(places), shape.layer_grad_bytes
     keeps = keeps or (False,) * n
     attention = attention_kept_bytes(shape, options, tokens) if any(keeps) else 0  # one layer's kept output

@@ -33,9 +33,9 @@ def arrange(n: int, on_gpu: int, recomputed: int) -> Optional[tuple[str, ...]]:
 def place(shape: ModelShape, options: StepOptions, tokens: int, gpu_budget: Optional[int],
           host_budget: Optional[int], spend: bool = True) -> tuple[Placed, Peak]:
     """The placement of the inputs of the checkpointed layers for ``options.offload``
-    (``"auto"``: ``tiledmlp.plan.memory``, [Note: placement]; ``"cpu"``: every one on the host; None: every one kept), which layers keep their
-    attention output (``"auto"`` with ``spend``: what is left of the device budget, spent), and its peaks. Under
-    ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
+    (``"auto"``: ``tiledmlp.plan.memory``, [Note: placement]; ``"cpu"``: every one on the host; None: every one kept),
+    which layers keep their attention output (``"auto"`` with ``spend``: what is left of the device budget, spent), and
+    its peaks. Under ``"auto"``, when nothing fits the budgets, the placement that needs the least device memory."""
     n = len(shape.layer_grad_bytes)
     none_kept = (False,) * n
     if tokens * shape.layer_input_bytes_per_token < host.MIN_BYTES or not shape.checkpointed:

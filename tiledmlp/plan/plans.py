@@ -229,12 +229,12 @@ def plan_memory(model: nn.Module, seq_len: int, *, batch_size: int = 1, sequence
     its fields at their defaults as keywords left out), with its ``optimizer``, ``optimizer_placement``, ``gpu_mib``
     and ``host_mib``; not both.
     ``projections=True``'s LoRA copies are not modelled: such a plan says so in its table and in a warning, once.
-    ``optimizer``: count it (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]: states, the step's temporaries, the gradients'
-    lifetime, host copies): an optimizer object (placed as it is), or a name (``"adamw"``, torch's fused AdamW;
-    ``"adamw-foreach"``; ``"adamw8bit"``; the Trainer's ``optim`` names) placed at ``optimizer_placement``
-    (``"gpu"``, ``"backward"``: stepped in backward, ``"host"``: torchao's CPU offload) or, by default, the fastest
-    placement with which the step fits (``plan.optimizer_choice`` says why); an object on the device may be planned
-    stepped in backward too (``step_in_backward`` makes it so). A model wrapped by an engine that
+    ``optimizer``: count it (``tiledmlp.optimizers.spec``, [Note: what an optimizer holds, and when]: states, the step's
+    temporaries, the gradients' lifetime, host copies): an optimizer object (placed as it is), or a name (``"adamw"``,
+    torch's fused AdamW; ``"adamw-foreach"``; ``"adamw8bit"``; the Trainer's ``optim`` names) placed at
+    ``optimizer_placement`` (``"gpu"``, ``"backward"``: stepped in backward, ``"host"``: torchao's CPU offload) or, by
+    default, the fastest placement with which the step fits (``plan.optimizer_choice`` says why); an object on the
+    device may be planned stepped in backward too (``step_in_backward`` makes it so). A model wrapped by an engine that
     offloads its optimizer (DeepSpeed ``offload_optimizer``, FSDP2 ``CPUOffloadPolicy``) is planned with the engine's
     placement. Without one, the plan counts no optimizer and its table says so. Runs nothing on the model; costs no
     communication."""

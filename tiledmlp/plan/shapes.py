@@ -171,9 +171,8 @@ def _gathered_bytes(outside: list[torch.Tensor], layers: list[list[torch.Tensor]
     the layer's own (twice where another layer is there to prefetch), and the root's gradients but the input
     embedding's (reduce-scattered only once the embedding's, last in backward, is made) less the shards the device
     holds anyway (none under ``CPUOffloadPolicy``: the whole gradients wait on the device, and only their shards go
-    to the host); 0 for parameters that are not FSDP2's. Measured on two H100s (8B shape, one layer): 2.0 GiB of
-    root and 0.41 GiB of layer parameters, the head's 1.0 GiB gradient (``benchmarks/results/
-    profile_layer_memory_sp_*``; on one H200 under ``CPUOffloadPolicy``, the head's whole gradient at the peak:
+    to the host); 0 for parameters that are not FSDP2's. Each term is seen at a profiled peak
+    (``benchmarks/results/profile_layer_memory_sp_*``; under ``CPUOffloadPolicy`` the head's whole gradient in
     ``..._fsdp2_offload_policy.md``)."""
     def whole(tensors: list[torch.Tensor]) -> int:
         return sum(p.numel() * p.element_size() for p in tensors if hasattr(p, "to_local"))

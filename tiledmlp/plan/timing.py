@@ -4,8 +4,8 @@ difference matters, so the estimate counts the work (FLOP, bytes over the host l
 nominal rates of an H100/H200-class GPU and its host, not a prediction of seconds on any one machine.
 
 [Note: what differs between the options]
-Every configuration runs each layer's forward and backward, and the loss; what differs (measured on an H200, Llama-3.1-8B
-shape, ``docs/long-context.md``):
+Every configuration runs each layer's forward and backward, and the loss; what differs (measured on an H200,
+Llama-3.1-8B shape, ``docs/long-context.md``):
 
 * a checkpointed layer runs its forward again in backward; one that keeps its attention output for that recompute
   (``attention=True`` with ``offload="auto"``) skips the attention core's forward there: 15% of a long step at 128K

@@ -4,5 +4,6 @@ the layouts a module's children allow), ``probe`` (a candidate's own forward com
 decision for an MLP block), ``moe`` (a MoE layer's experts), ``norms`` (normalization layers), ``projections``
 (LoRA-adapted projections).
 
-Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core`` (``logs``, ``compat``).
+Imports ``tiledmlp.distributed`` (wrapper hooks, sharded parameters), ``tiledmlp.forms`` and ``tiledmlp.core``
+(``logs``, ``compat``).
 """

@@ -59,8 +59,8 @@ _PROBE_SCALE = 3.0
 
 
 def recognize_norm(module: nn.Module, forward: Callable[..., Any], slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized(Kind.NORM)`` for a normalization layer (see [Note: why tile a normalization layer]), else None. ``forward``: the
-    module's original forward."""
+    """``Recognized(Kind.NORM)`` for a normalization layer (see [Note: why tile a normalization layer]), else None.
+    ``forward``: the module's original forward."""
     if next(module.children(), None) is not None or not 1 <= len(slots) <= 2 or has_tp_hooks(module):
         return None
     params = [s.get() for s in slots]

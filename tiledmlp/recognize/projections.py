@@ -6,9 +6,8 @@ around it keeps more, all of it per token: without autocast each adapter casts t
 dtype (peft keeps adapters in float32, so four float32 copies of the hidden states for q, k, v and o); its
 low-rank output is added to the base output in new tensors; a bitsandbytes 4-bit base adds its own. In a
 checkpointed decoder layer these are alive together in the layer's recompute, which is then the step's peak:
-measured on an H100 (Llama-3.1-8B shape, QLoRA, 64K tokens, ``benchmarks/profile_layer_memory.py --qlora``),
-the attention projections' adapters and casts were ~96 KiB of the 157 KiB per token alive at the peak without
-autocast, ~66 KiB of 125 under it (``docs/long-context.md``).
+with QLoRA at long context the attention projections' adapters and casts are most of what is alive at that peak
+(profiled with ``benchmarks/profile_layer_memory.py --qlora``; the bytes per token in ``docs/long-context.md``).
 
 Tiled, a projection keeps only its input, which the attention block holds anyway (q, k and v share one: the
 norm's output); its casts and adapter outputs exist one shard at a time (shards sized like a normalization
@@ -46,8 +45,9 @@ __all__ = ["recognize_projection"]
 
 
 def recognize_projection(module: nn.Module, slots: Sequence[Slot]) -> Optional[Recognized]:
-    """``Recognized(Kind.PROJ)`` for a LoRA-adapted linear projection (see [Note: why tile a projection]), else None: with the fast
-    form's layout, or (adapter dropout, DoRA, several active adapters, ...) the generic form and the reason."""
+    """``Recognized(Kind.PROJ)`` for a LoRA-adapted linear projection (see [Note: why tile a projection]), else None:
+    with the fast form's layout, or (adapter dropout, DoRA, several active adapters, ...) the generic form and the
+    reason."""
     if not is_peft_lora(module) or len(slots) == 0 or has_tp_hooks(module) or has_tp_hooks(module.base_layer):
         return None  # a tensor-parallel projection holds a slice of the features; its plan computes it
     lin = linear_like("its LoRA layer", module)  # the name its messages use
