@@ -13,7 +13,22 @@ import torch
 
 from .accumulate import GradAccumulator
 
-__all__ = ["Form", "TileCall", "shard_bounds"]
+__all__ = ["Form", "ShardScratch", "TileCall", "shard_bounds"]
+
+
+class ShardScratch(Protocol):
+    """What one shard of a form holds per token beyond its input and output, as the form declares it
+    (``tiledmlp.forms``): all the shard policy needs to cut a call (``tiledmlp.core.sharding``), and what the memory
+    plan counts (``tiledmlp.plan.memory``). Compared by value: a call's cut is remembered per scratch and sizes."""
+
+    #: the most blocks the form's intermediate dimension can be cut into in backward (1: none)
+    max_blocks: int
+
+    def backward_bytes_per_token(self, blocks: int) -> int:
+        """Bytes per token of a backward shard whose intermediate dimension is computed in ``blocks`` blocks."""
+
+    def forward_bytes_per_token(self) -> int:
+        """Bytes per token of a forward shard (blocks do not split it)."""
 
 
 class Form(Protocol):

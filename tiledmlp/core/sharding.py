@@ -1,4 +1,6 @@
-"""How tokens are cut: tokens per shard, and intermediate blocks per shard in the fast GLU backward.
+"""How tokens are cut: tokens per shard, and intermediate blocks per shard in the fast GLU backward, by the scratch
+per token each form declares (``tiledmlp.core.form.ShardScratch``; the forms' own: ``tiledmlp.forms.mlp.MLPScratch``,
+``tiledmlp.forms.moe.moe_scratch_per_token``, ``tiledmlp.forms.base.norm_scratch_per_token``). Only cuts.
 
 Auto policy (``tiledmlp.enable_tiling`` defaults), measured on an H200 for the Llama-3-8B MLP
 (``benchmarks/bench_tiles.py``, ``docs/sharding.md``):
@@ -7,7 +9,7 @@ Auto policy (``tiledmlp.enable_tiling`` defaults), measured on an H200 for the L
 form                   shard size
 =====================  ==================================================================================
 fast GLU / MLP form    backward: for one and for two intermediate blocks, the largest shard up to
-                       16384 tokens whose backward scratch (``mlp_scratch_per_token``: gate and up
+                       16384 tokens whose backward scratch (``MLPScratch``: gate and up
                        rows of a block, or up alone for a plain MLP, plus one ``dh`` column block)
                        fits ``scratch_mib`` (default
                        512 MiB); of the two, the one needing fewer shards (then one block). Below
@@ -42,8 +44,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks", "mlp_scratch_per_token", "moe_scratch_per_token",
-           "norm_scratch_per_token", "NORM_FLOAT32_COPIES",
+from .form import ShardScratch
+
+__all__ = ["ShardPolicy", "auto_num_shards", "chunk_bounds", "dh_blocks",
            "DEFAULT_SCRATCH_MIB", "DEFAULT_MOE_SCRATCH_MIB", "MAX_AUTO_TILE", "MAX_AUTO_INTER_CHUNKS", "DH_SPLIT",
            "PLAIN_DH_WHOLE_MAX", "LossTile", "loss_tile",
            "loss_budget_bytes", "fused_loss_budget_bytes", "DEFAULT_LOSS_SCRATCH_MIB", "LOSS_PARTIAL_MIB",
@@ -104,34 +107,6 @@ def dh_blocks(width: int, gated: bool = True) -> list[tuple[int, int]]:
     if not gated and width <= PLAIN_DH_WHOLE_MAX:
         return [(0, width)]
     return chunk_bounds(width, max(1, min(DH_SPLIT, width // _DH_BLOCK_MIN)), _DH_ALIGN)
-
-
-def mlp_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1, gated: bool = True) -> int:
-    """Bytes of fast-form backward scratch per token of a shard: the recomputed pre-activation rows
-    of one intermediate block (``gate`` and ``up`` for a GLU, ``up`` alone for a plain MLP) and one
-    ``dh`` column block (:func:`dh_blocks`: the whole block for a plain MLP up to ``PLAIN_DH_WHOLE_MAX``)."""
-    width = max(stop - start for start, stop in chunk_bounds(inter, inter_chunks))
-    dh_width = max(stop - start for start, stop in dh_blocks(width, gated))
-    return ((2 if gated else 1) * width + dh_width) * itemsize
-
-
-def moe_scratch_per_token(hidden: int, inter: int, up_width: int, top_k: int, itemsize: int) -> int:
-    """Bytes of MoE-form scratch per token (``tiledmlp.forms.moe``): per row (``top_k`` per token) in backward the
-    gathered input and output gradient, the up projection's output (``up_width``, its own gradient in
-    place), the activation's gradient and the activation, the input-gradient rows and their unsorted
-    copy (``4 * hidden + up_width + 2 * inter`` elements; forward needs less), plus a float32 row of the
-    per-token sum."""
-    return top_k * (4 * hidden + up_width + 2 * inter) * itemsize + 4 * hidden
-
-
-#: float32 copies of its input that a normalization layer's shard may hold at once: Hugging Face's RMSNorm
-#: keeps up to five in backward (measured, ``tiledmlp.recognize.norms``), plus the input's and output's shard
-NORM_FLOAT32_COPIES = 8
-
-
-def norm_scratch_per_token(hidden: int) -> int:
-    """Bytes of a tiled normalization layer's scratch per token (``NORM_FLOAT32_COPIES`` float32 rows)."""
-    return NORM_FLOAT32_COPIES * 4 * hidden
 
 
 def auto_num_shards(tokens: int, hidden: int) -> int:
@@ -223,19 +198,20 @@ class ShardPolicy:
         fixed = self._fixed_rows(tokens)
         return fixed if fixed is not None else math.ceil(tokens / auto_num_shards(tokens, hidden))
 
-    def norm_rows(self, tokens: int, hidden: int) -> int:
-        """Tokens per shard of a normalization layer (``tiledmlp.recognize.norms``): a fixed cut, or the largest equal
-        shards up to ``MAX_AUTO_TILE`` tokens whose float32 copies fit the budget."""
+    def norm_rows(self, tokens: int, bytes_per_token: int) -> int:
+        """Tokens per shard of a normalization layer (``tiledmlp.recognize.norms``), whose float32 copies take
+        ``bytes_per_token`` (``tiledmlp.forms.base.norm_scratch_per_token``): a fixed cut, or the largest equal shards
+        up to ``MAX_AUTO_TILE`` tokens whose copies fit the budget."""
         tokens = max(tokens, 1)
         fixed = self._fixed_rows(tokens)
         if fixed is not None:
             return fixed
-        fits = int(self._budget_bytes() // norm_scratch_per_token(hidden))
+        fits = int(self._budget_bytes() // bytes_per_token)
         return _equalize(tokens, max(1, min(MAX_AUTO_TILE, fits)))
 
-    def mlp_tile(self, tokens: int, inter: int, itemsize: int, gated: bool = True) -> tuple[int, int]:
-        """``(tokens per backward shard, intermediate blocks)`` for the fast forms (GLU, or plain MLP
-        with ``gated=False``).
+    def mlp_tile(self, tokens: int, scratch: ShardScratch) -> tuple[int, int]:
+        """``(tokens per backward shard, intermediate blocks)`` for a fast MLP form, by the ``scratch`` it declares
+        (``tiledmlp.forms.mlp.MLPScratch``).
 
         Automatic choice: for each block count up to ``MAX_AUTO_INTER_CHUNKS`` (or the one given), the
         largest shard whose scratch fits the budget; of these, the one with the fewest shards (each
@@ -246,7 +222,7 @@ class ShardPolicy:
         rows, chunks = self._fixed_rows(tokens), self.inter_chunks
         if rows is None:
             counts = [chunks] if chunks is not None else range(1, MAX_AUTO_INTER_CHUNKS + 1)
-            fits = {c: _fitting_rows(budget, mlp_scratch_per_token(inter, itemsize, c, gated)) for c in counts}
+            fits = {c: _fitting_rows(budget, scratch.backward_bytes_per_token(c)) for c in counts}
             fits = {c: r for c, r in fits.items() if r >= _MIN_TILE}
             if fits:
                 best = min(fits, key=lambda c: (math.ceil(tokens / fits[c]), c))
@@ -254,19 +230,20 @@ class ShardPolicy:
             rows = min(_MIN_TILE, tokens)  # even the smallest shard is over budget: split the intermediate more
         if chunks is None:
             chunks = 1
-            while chunks < inter and rows * mlp_scratch_per_token(inter, itemsize, chunks, gated) > budget:
+            while chunks < scratch.max_blocks and rows * scratch.backward_bytes_per_token(chunks) > budget:
                 chunks += 1
         return rows, chunks
 
-    def mlp_cut(self, tokens: int, inter: int, itemsize: int, gated: bool = True) -> tuple[int, int, int]:
+    def mlp_cut(self, tokens: int, scratch: ShardScratch) -> tuple[int, int, int]:
         """``(tokens per backward shard, intermediate blocks, tokens per forward shard)`` of one fast-form call:
         :meth:`mlp_tile`, then :meth:`mlp_forward_rows` of its shards, asked in one step."""
-        rows, chunks = self.mlp_tile(tokens, inter, itemsize, gated)
-        return rows, chunks, self.mlp_forward_rows(inter, itemsize, rows, gated)
+        rows, chunks = self.mlp_tile(tokens, scratch)
+        return rows, chunks, self.mlp_forward_rows(scratch, rows)
 
     def moe_rows(self, tokens: int, bytes_per_token: int) -> int:
-        """Tokens per shard of the MoE form (``moe_scratch_per_token``): a fixed cut, or the largest equal
-        shards up to ``MAX_AUTO_TILE`` tokens whose scratch fits the budget."""
+        """Tokens per shard of the MoE form, whose scratch takes ``bytes_per_token``
+        (``tiledmlp.forms.moe.moe_scratch_per_token``): a fixed cut, or the largest equal shards up to
+        ``MAX_AUTO_TILE`` tokens whose scratch fits the budget."""
         tokens = max(tokens, 1)
         fixed = self._fixed_rows(tokens)
         if fixed is not None:
@@ -274,12 +251,11 @@ class ShardPolicy:
         budget = (self.scratch_mib or DEFAULT_MOE_SCRATCH_MIB) * 2**20
         return _equalize(tokens, max(1, min(MAX_AUTO_TILE, int(budget // bytes_per_token))))
 
-    def mlp_forward_rows(self, inter: int, itemsize: int, backward_rows: int, gated: bool = True) -> int:
-        """Tokens per forward shard of the fast forms: the backward's ``backward_rows``, or fewer when
-        the forward's own scratch (``gate`` and ``up`` rows, ``2 * inter`` elements per token, or
-        ``inter`` for a plain MLP; intermediate blocks do not split it) would exceed the budget."""
+    def mlp_forward_rows(self, scratch: ShardScratch, backward_rows: int) -> int:
+        """Tokens per forward shard of a fast form: the backward's ``backward_rows``, or fewer when the forward's
+        own scratch (``scratch.forward_bytes_per_token()``) would exceed the budget."""
         budget = self._budget_bytes()
-        fits = max(1, int(budget // ((2 if gated else 1) * inter * itemsize)))
+        fits = max(1, int(budget // scratch.forward_bytes_per_token()))
         return math.ceil(backward_rows / math.ceil(backward_rows / fits))  # equal parts of a backward shard
 
 

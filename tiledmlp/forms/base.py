@@ -9,6 +9,9 @@ Two forms implement :class:`tiledmlp.core.form.Form` for MLPs (the loss has its 
   autograd for the shard's gradients.
 * :class:`tiledmlp.forms.mlp.MLPForm` (fast) computes a gated or plain MLP straight from its
   weights and recomputes only the pre-activations in backward (see that module).
+
+The generic form's scratch is the module's own and cannot be sized, but for the modules it is given because
+their float32 copies of the input dominate (normalization layers, LoRA projections): :func:`norm_scratch_per_token`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,18 @@ from torch import nn
 
 from ..core.accumulate import GradAccumulator
 
-__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "parametrized", "read_slots", "swapped"]
+__all__ = ["Slot", "ModuleForm", "dedupe", "is_plain_linear", "is_quantized", "parametrized", "read_slots", "swapped",
+           "norm_scratch_per_token", "NORM_FLOAT32_COPIES"]
+
+#: float32 copies of its input that a normalization layer's shard may hold at once: Hugging Face's RMSNorm
+#: keeps up to five in backward (measured, ``tiledmlp.recognize.norms``), plus the input's and output's shard
+NORM_FLOAT32_COPIES = 8
+
+
+def norm_scratch_per_token(hidden: int) -> int:
+    """Bytes of a normalization layer's (or a LoRA projection's) generic-form scratch per token:
+    ``NORM_FLOAT32_COPIES`` float32 rows of its ``hidden`` width, what the shard policy cuts its calls by."""
+    return NORM_FLOAT32_COPIES * 4 * hidden
 
 
 def is_quantized(t: Any) -> bool:

@@ -17,7 +17,7 @@ Backward recomputes only the pre-activations (``gate`` and ``up``, or ``up``), n
 projection. With ``dh`` computed one column block at a time (a GLU's; a plain MLP's whole) the fused
 activation kernel overwrites ``dh`` with ``h`` and the pre-activation buffers with their gradients, so
 a shard costs about ``(2 or 1) * rows * intermediate + rows * dh block`` elements of scratch
-(``sharding.mlp_scratch_per_token``).
+(:class:`MLPScratch`, which the shard policy cuts by).
 
 FLOP per token (H hidden, I intermediate): gated forward 6·H·I, backward 16·H·I (2 recompute GEMMs
 + 6), against 18·H·I for the generic form; plain forward 4·H·I, backward 10·H·I (1 recompute
@@ -38,7 +38,7 @@ from ..kernels import ACTIVATIONS, glu_backward_, glu_forward, mlp_backward_, ml
 from .kind import Kind
 from .lora import LowRank
 
-__all__ = ["ACTIVATIONS", "Proj", "MLPLayout", "MLPForm"]
+__all__ = ["ACTIVATIONS", "Proj", "MLPLayout", "MLPForm", "MLPScratch"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,31 @@ class Proj:
         if self.needs_bias_grad(grads):
             sums = d_out.sum(0, dtype=sum_dtype(d_out.dtype)) if sums is None else sums
             grads.add(self.bias, sums, rows=out_rows)
+
+
+@dataclass(frozen=True)
+class MLPScratch:
+    """The fast form's scratch per token of a shard (:class:`tiledmlp.core.form.ShardScratch`), for an intermediate
+    width ``inter`` of ``itemsize``-byte elements: in backward, the recomputed pre-activation rows of one
+    intermediate block (``gate`` and ``up`` for a GLU, ``up`` alone for a plain MLP) and one ``dh`` column block
+    (``core.sharding.dh_blocks``: the whole block for a plain MLP up to ``PLAIN_DH_WHOLE_MAX``); in forward, the
+    ``gate`` and ``up`` rows (``up`` alone), which blocks do not split."""
+
+    inter: int
+    itemsize: int
+    gated: bool = True
+
+    @property
+    def max_blocks(self) -> int:
+        return self.inter
+
+    def backward_bytes_per_token(self, blocks: int) -> int:
+        width = max(stop - start for start, stop in chunk_bounds(self.inter, blocks))
+        dh_width = max(stop - start for start, stop in dh_blocks(width, self.gated))
+        return ((2 if self.gated else 1) * width + dh_width) * self.itemsize
+
+    def forward_bytes_per_token(self) -> int:
+        return (2 if self.gated else 1) * self.inter * self.itemsize
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ hidden ``H``, expert intermediate ``I`` and ``P`` = ``2I`` (gated) or ``I``:
   is larger), and the input gradient is one grouped GEMM, summed over ``k`` in float32.
 
 No tensor of ``tokens * k * I`` elements ever exists: the largest are the shard's ``S * P`` rows
-(``sharding.moe_scratch_per_token``). FLOP per token and chosen expert: forward ``2 * H * (P + I)``, backward
+(:func:`moe_scratch_per_token`). FLOP per token and chosen expert: forward ``2 * H * (P + I)``, backward
 ``2 * H * (P + I) + 4 * H * (P + I)`` - the recompute adds ``2 * H * P`` to untiled's backward.
 GEMMs run through ``torch.nn.functional.grouped_mm`` where the device and dtype have it, else one GEMM
 per expert (``kernels/grouped.py``). No communication happens here.
@@ -40,7 +40,16 @@ from ..core.accumulate import PARTIAL_MIB, GradAccumulator, sum_dtype
 from ..kernels import glu_backward_, glu_forward, mlp_backward_, mlp_forward
 from ..kernels.grouped import ExpertGroups, grouped_linear, grouped_weight_grad
 
-__all__ = ["ExpertsLayout", "MoEForm", "GATE_ATTRS"]
+__all__ = ["ExpertsLayout", "MoEForm", "GATE_ATTRS", "moe_scratch_per_token"]
+
+def moe_scratch_per_token(hidden: int, inter: int, up_width: int, top_k: int, itemsize: int) -> int:
+    """Bytes of this form's scratch per token (what the shard policy cuts its calls by): per row (``top_k`` per
+    token) in backward the gathered input and output gradient, the up projection's output (``up_width``, its own
+    gradient in place), the activation's gradient and the activation, the input-gradient rows and their unsorted
+    copy (``4 * hidden + up_width + 2 * inter`` elements; forward needs less), plus a float32 row of the per-token
+    sum."""
+    return top_k * (4 * hidden + up_width + 2 * inter) * itemsize + 4 * hidden
+
 
 #: the experts module's own gate function, by whether the experts are gated (transformers' names)
 GATE_ATTRS = {True: "_apply_gate", False: "act_fn"}

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from ..core.form import Form, TileCall
-from ..core.sharding import ShardPolicy, moe_scratch_per_token
-from .base import ModuleForm, Slot, dedupe, read_slots
-from .mlp import MLPForm, MLPLayout
-from .moe import GATE_ATTRS, ExpertsLayout, MoEForm
+from ..core.sharding import ShardPolicy
+from .base import ModuleForm, Slot, dedupe, norm_scratch_per_token, read_slots
+from .mlp import MLPForm, MLPLayout, MLPScratch
+from .moe import GATE_ATTRS, ExpertsLayout, MoEForm, moe_scratch_per_token
 from .proj import ProjForm, ProjLayout
 from .quant import QuantizedLinear, QuantizedMLPForm, compute_dtype_of, quant_state_of
 
@@ -111,7 +111,9 @@ class FormSpec:
     def generic_rows(self, tokens: int, hidden: int) -> int:
         """Tokens per shard of the generic form: a normalization layer's or a LoRA projection's sized by float32
         copies of its input, another module's by the anchors' rule (``ShardPolicy``)."""
-        return (self.policy.norm_rows if self.sized_by_copies else self.policy.shard_rows)(tokens, hidden)
+        if self.sized_by_copies:
+            return self.policy.norm_rows(tokens, norm_scratch_per_token(hidden))
+        return self.policy.shard_rows(tokens, hidden)
 
     def tile_call(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], index: Sequence[int],
                   layout: Optional[Layout], around_backward: Callable[[], ContextManager], module: nn.Module,
@@ -173,7 +175,8 @@ class FormSpec:
         else:
             inter = layout.inter(tensors)
         itemsize = torch.finfo(c).bits // 8 if c is not None else _compute_itemsize(x, tensors[layout.down.weight])
-        shard_rows, chunks, forward_rows = self._cut(self.policy.mlp_cut, tokens, inter, itemsize, layout.gated)
+        shard_rows, chunks, forward_rows = self._cut(self.policy.mlp_cut, tokens, MLPScratch(inter, itemsize,
+                                                                                               layout.gated))
         form = QuantizedMLPForm(layout, chunks, quantized, c) if c is not None else MLPForm(layout, chunks)
         return form, shard_rows, forward_rows
 

@@ -30,11 +30,12 @@ from ..attention.layers import attention_layers
 from ..core.accumulate import block_scaled
 from ..core.logs import counted
 from ..core.places import Place
-from ..core.sharding import (ShardPolicy, format_mib, loss_budget_bytes, loss_tile, mlp_scratch_per_token,
-                             moe_scratch_per_token, norm_scratch_per_token)
+from ..core.sharding import ShardPolicy, format_mib, loss_budget_bytes, loss_tile
 from ..distributed.tensor_parallel import read_style
+from ..forms.base import norm_scratch_per_token
 from ..forms.kind import Kind
-from ..forms.moe import ExpertsLayout
+from ..forms.mlp import MLPScratch
+from ..forms.moe import ExpertsLayout, moe_scratch_per_token
 from ..forms.quant import QuantizedLinear
 from ..loss.heads import HeadSpec
 from ..offload.checkpointing import SMALL, LayerPlacement, layer_placement, offload_problems, offloaded_layers
@@ -216,9 +217,10 @@ def _info(name: str, state: TilingState, strategy: str, tokens: Optional[int]) -
     itemsize = (_compute_itemsize(spec.quantized[0][1]) if spec.quantized
                 else params[layout.down.weight].element_size())
     dequantized = _dequantized_bytes(spec)
-    rows, chunks, forward_rows = policy.mlp_cut(tokens, inter, itemsize, layout.gated)
-    scratch = dequantized + max(rows * mlp_scratch_per_token(inter, itemsize, chunks, layout.gated),
-                                forward_rows * (2 if layout.gated else 1) * inter * itemsize)
+    mlp = MLPScratch(inter, itemsize, layout.gated)
+    rows, chunks, forward_rows = policy.mlp_cut(tokens, mlp)
+    scratch = dequantized + max(rows * mlp.backward_bytes_per_token(chunks),
+                                forward_rows * mlp.forward_bytes_per_token())
     return TileInfo(**base, num_shards=math.ceil(tokens / rows), shard_tokens=rows, inter_chunks=chunks,
                     scratch_bytes=scratch)
 

@@ -78,7 +78,8 @@ from ..attention.grouped import attention_scratch_per_token, kept_bytes_per_toke
 from ..attention.ulysses import slots
 from ..core.logs import counted
 from ..core.places import Place
-from ..core.sharding import DEFAULT_SCRATCH_MIB, ShardPolicy, mlp_scratch_per_token
+from ..core.sharding import DEFAULT_SCRATCH_MIB, ShardPolicy
+from ..forms.mlp import MLPScratch
 from .optimizer import NO_OPTIMIZER, OptimizerMemory
 from .shapes import ModelShape
 
@@ -243,9 +244,9 @@ def _mlp_gradients_beyond_scratch(shape: ModelShape, options: StepOptions, token
     Llama-3.1-8B: the MLP's gradients, its shards take the whole budget; both measured on an H200 within 3%)."""
     if not shape.intermediate:
         return gradients
-    rows, chunks = ShardPolicy(scratch_mib=options.scratch_mib).mlp_tile(tokens, shape.intermediate,
-                                                                         shape.act_itemsize)
-    mlp_scratch = min(rows, tokens) * mlp_scratch_per_token(shape.intermediate, shape.act_itemsize, chunks)
+    mlp = MLPScratch(shape.intermediate, shape.act_itemsize)  # what the MLP's form declares
+    rows, chunks = ShardPolicy(scratch_mib=options.scratch_mib).mlp_tile(tokens, mlp)
+    mlp_scratch = min(rows, tokens) * mlp.backward_bytes_per_token(chunks)
     return max(mlp_scratch + gradients - scratch, 0)
 
 

@@ -13,7 +13,7 @@ step's peak, 10 were one RMSNorm's backward temporaries and 6 more the two norms
 Tiled with the generic form — the module's own forward on each token shard, recomputed shard by shard
 in backward — a normalization layer keeps only its input for backward (in a decoder layer that tensor
 is alive anyway: the layer's input, or the residual sum), and its float32 temporaries are one shard's
-(``sharding.norm_scratch_per_token``). The result is the module's own computation per token: outputs
+(``tiledmlp.forms.base.norm_scratch_per_token``). The result is the module's own computation per token: outputs
 and input gradients as untiled, the weight (and bias) gradient — a sum over tokens — summed per shard in
 float32 (``tiledmlp.core.accumulate``). Cost: the forward once more per shard in backward (a normalization
 layer is a few memory-bound passes over its input); communication: none added (its parameters belong

@@ -7,7 +7,12 @@ import math
 import pytest
 
 from tiledmlp import ShardPolicy, auto_num_shards
-from tiledmlp.core.sharding import DEFAULT_SCRATCH_MIB, chunk_bounds, dh_blocks, mlp_scratch_per_token
+from tiledmlp.core.sharding import DEFAULT_SCRATCH_MIB, chunk_bounds, dh_blocks
+from tiledmlp.forms.mlp import MLPScratch
+
+
+def mlp_scratch_per_token(inter: int, itemsize: int, inter_chunks: int = 1, gated: bool = True) -> int:
+    return MLPScratch(inter, itemsize, gated).backward_bytes_per_token(inter_chunks)
 
 
 @pytest.mark.parametrize("tokens, hidden, shards", [(1, 4096, 1), (4096, 4096, 1), (4097, 4096, 2), (131072, 4096, 32)])
@@ -28,23 +33,23 @@ def test_generic_auto_rule_is_ceil_tokens_over_hidden(tokens, hidden, shards):
     (131072, 14336, 16, (1024, 5)),  # below 1024 tokens the intermediate dimension is split further
 ])
 def test_glu_auto_tile_is_the_fastest_within_the_scratch_budget(tokens, inter, scratch_mib, tile):
-    rows, chunks = ShardPolicy(scratch_mib=scratch_mib).mlp_tile(tokens, inter, itemsize=2)
+    rows, chunks = ShardPolicy(scratch_mib=scratch_mib).mlp_tile(tokens, MLPScratch(inter, 2))
     assert (rows, chunks) == tile
     assert rows * mlp_scratch_per_token(inter, 2, chunks) <= (scratch_mib or DEFAULT_SCRATCH_MIB) * 2**20
 
 
 def test_glu_auto_tile_with_fixed_blocks_takes_the_longest_fitting_shard():
-    assert ShardPolicy(inter_chunks=1).mlp_tile(131072, 14336, 2) == (8192, 1)
-    assert ShardPolicy(inter_chunks=4).mlp_tile(131072, 14336, 2) == (16384, 4)  # capped at MAX_AUTO_TILE
+    assert ShardPolicy(inter_chunks=1).mlp_tile(131072, MLPScratch(14336, 2)) == (8192, 1)
+    assert ShardPolicy(inter_chunks=4).mlp_tile(131072, MLPScratch(14336, 2)) == (16384, 4)  # capped at MAX_AUTO_TILE
 
 
 def test_glu_forward_shards_are_equal_parts_of_a_backward_shard_within_the_budget():
     """The forward keeps gate and up of its whole shard (``2 * inter`` elements per token)."""
     policy = ShardPolicy()
-    assert policy.mlp_forward_rows(14336, 2, 16384) == 8192  # 9362 tokens fit 512 MiB
-    assert policy.mlp_forward_rows(14336, 2, 8192) == 8192
-    assert policy.mlp_forward_rows(14336, 2, 13334) == 6667
-    assert ShardPolicy(scratch_mib=64).mlp_forward_rows(14336, 2, 4000) == 1000
+    assert policy.mlp_forward_rows(MLPScratch(14336, 2), 16384) == 8192  # 9362 tokens fit 512 MiB
+    assert policy.mlp_forward_rows(MLPScratch(14336, 2), 8192) == 8192
+    assert policy.mlp_forward_rows(MLPScratch(14336, 2), 13334) == 6667
+    assert ShardPolicy(scratch_mib=64).mlp_forward_rows(MLPScratch(14336, 2), 4000) == 1000
 
 
 def test_glu_scratch_counts_gate_up_and_one_dh_block():
@@ -71,8 +76,8 @@ def test_blocks_are_aligned_for_fast_gemms():
 
 
 def test_glu_fixed_tiles_override_the_budget():
-    assert ShardPolicy(tile_tokens=2048, inter_chunks=3).mlp_tile(10000, 14336, 2) == (2048, 3)
-    assert ShardPolicy(num_shards=4).mlp_tile(10000, 14336, 2) == (2500, 1)
+    assert ShardPolicy(tile_tokens=2048, inter_chunks=3).mlp_tile(10000, MLPScratch(14336, 2)) == (2048, 3)
+    assert ShardPolicy(num_shards=4).mlp_tile(10000, MLPScratch(14336, 2)) == (2500, 1)
 
 
 def test_fixed_count_and_fixed_tile():

@@ -22,7 +22,7 @@ from tiledmlp.core.compiled import STATE_ATTR
 from tiledmlp.core.sharding import ShardPolicy
 from tiledmlp.distributed import selection
 from tiledmlp.distributed.strategies import PlainStrategy
-from tiledmlp.forms.mlp import MLPLayout
+from tiledmlp.forms.mlp import MLPLayout, MLPScratch
 from unit_helpers import check_against_untiled, llama_mlp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
@@ -117,11 +117,11 @@ def test_the_cut_is_made_once_per_sizes(monkeypatch):
     cuts.clear()  # enable_tiling's summary line's (describe, at 131072 tokens)
     mlp(torch.randn(1, 16, 32))
     mlp(torch.randn(1, 16, 32))
-    assert cuts == [(16, 88, 4, True)]
+    assert cuts == [(16, MLPScratch(88, 4))]  # the scratch the MLP form declares: its width, 4-byte elements
     check_against_untiled(mlp, ref, torch.randn(1, 24, 32))
     mlp(torch.randn(1, 24, 32))
     mlp(torch.randn(1, 16, 32))
-    assert cuts == [(16, 88, 4, True), (24, 88, 4, True), (16, 88, 4, True)]
+    assert cuts == [(16, MLPScratch(88, 4)), (24, MLPScratch(88, 4)), (16, MLPScratch(88, 4))]
 
 
 class _Unsharding(PlainStrategy):

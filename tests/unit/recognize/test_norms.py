@@ -21,7 +21,8 @@ import tiledmlp.patching.call_spec
 from tiledmlp.core.compat import enable_checkpointing
 from tiledmlp.recognize.norms import recognize_norm
 from tiledmlp.recognize.modules import param_slots
-from tiledmlp.core.sharding import ShardPolicy, norm_scratch_per_token
+from tiledmlp.core.sharding import ShardPolicy
+from tiledmlp.forms.base import norm_scratch_per_token
 from unit_helpers import (assert_close_rel, assert_compiled_layers_train_like_eager, batch, bf16_signal, build,
                           rel_err)
 
@@ -243,10 +244,10 @@ def test_a_checkpointed_region_keeps_no_input_of_a_tiled_call_alive(positional):
 def test_shards_are_sized_by_the_float32_copies():
     policy = ShardPolicy()
     assert norm_scratch_per_token(2048) == 8 * 4 * 2048
-    assert policy.norm_rows(131072, 2048) == 8192  # 512 MiB of float32 copies
-    assert policy.norm_rows(1000, 2048) == 1000
-    assert ShardPolicy(scratch_mib=128).norm_rows(131072, 2048) == 2048
-    assert ShardPolicy(num_shards=4).norm_rows(100, 2048) == 25
+    assert policy.norm_rows(131072, norm_scratch_per_token(2048)) == 8192  # 512 MiB of float32 copies
+    assert policy.norm_rows(1000, norm_scratch_per_token(2048)) == 1000
+    assert ShardPolicy(scratch_mib=128).norm_rows(131072, norm_scratch_per_token(2048)) == 2048
+    assert ShardPolicy(num_shards=4).norm_rows(100, norm_scratch_per_token(2048)) == 25
 
 
 # ----------------------------------------------------------------------------------------------
