@@ -91,6 +91,31 @@ def test_bench_sp_smoke(tmp_path, shard):
         assert float(rows["alst"]["grad_rel"]) > 10, rows["alst"]
 
 
+def test_bench_sp_scaled_training_step_smoke(tmp_path):
+    """``bench_sp.py --scale-to N --optimizer adamw`` on 2 CPU processes under FSDP2: the run's budgets are the whole
+    model's less the missing layers' weights, gradients and AdamW states (sharded over the ranks), the whole model's
+    plan is beside the row, and the optimizer steps (the second step's loss differs from the first's)."""
+    pytest.importorskip("deepspeed", reason="Ulysses is DeepSpeed's: pip install -e '.[test,deepspeed]'")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "benchmarks/bench_sp.py",
+           "--smoke", "--out", str(tmp_path), "--shard", "fsdp2", "--optimizer", "adamw", "--scale-to", "6",
+           "--gpu-mib", "600", "--host-mib", "2048", "--steps", "2", "--variants", "tiled+auto+norms+attn"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with (tmp_path / "bench_sp_cpu_smoke.csv").open() as handle:
+        rows = {r["variant"]: r for r in csv.DictReader(handle)}
+    row = rows["tiled+auto+norms+attn"]
+    # the 4 missing layers of the smoke shape (hidden 64, 4 heads and 2 KV heads of 16, intermediate 176, float32):
+    # each rank's halves of their weights, gradients and AdamW's two states
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176 + 2 * 64  # q, o; k, v; gate, up, down; two norms
+    missing_mib = 4 * (layer * 4 // 2) * (1 + 1 + 2) / 2**20
+    assert float(row["gpu_mib"]) == pytest.approx(600 - missing_mib, abs=0.06), row  # the CSV's 4 digits
+    assert int(row["scale_to"]) == 6 and float(row["full_gpu_mib"]) == 600 and float(row["full_plan_gib"]) > 0, row
+    assert float(row["host_mib"]) <= float(row["full_host_mib"]) == 2048, row
+    losses = [float(v) for v in row["losses"].split(";")]
+    assert len(losses) == 2 and losses[0] != losses[1], row
+
+
 #: Rows run through benchmarks/row_outcomes.py on 2 gloo ranks. Row 0: both ranks run out of memory before any
 #: collective (both leave the row: agreed, the run goes on). Row 1: rank 1 runs out of memory while rank 0 waits in an
 #: all-reduce rank 1 never joins (rank 0 is blocked: it writes the row and the run ends).

@@ -100,7 +100,7 @@ def engine_placement(model: nn.Module) -> Optional[OptimizerSpec]:
         # ZeRO-1/2 partition the optimizer over the data-parallel ranks; ZeRO-3 parameters are partitions already
         partitions = 1 if model.zero_optimization_stage() == 3 else max(getattr(model, "dp_world_size", 1), 1)
         return OptimizerSpec("adamw", "DeepSpeed ZeRO-Offload", HOST, engine="deepspeed", partitions=partitions)
-    first = next(model.parameters(), None)
+    first = next((p for p in model.parameters() if hasattr(p, "to_local")), None)  # the first DTensor's layout
     if first is not None and kept_on_host(first):
         return OptimizerSpec("adamw", "FSDP2 CPUOffloadPolicy", HOST, engine="fsdp2")
     return None
