@@ -90,6 +90,7 @@ from optimizer_step import sync  # noqa: E402, F401 (other benchmarks import it 
 from tiledmlp.optimizers.spec import spec_named  # noqa: E402
 from tiledmlp.plan.optimizer import optimizer_memory  # noqa: E402
 from tiledmlp.plan.options import tiled_step_options  # noqa: E402
+from tiledmlp.plan.shapes import device_bytes, kept_on_host, local_bytes  # noqa: E402
 from tiledmlp.plan.budgets import budgets  # noqa: E402
 from reporting import (fmt, format_tokens_axis, gpu_name, gpu_slug, package_version, plot_lines,  # noqa: E402
                        print_rows, save_figure, subplots, write_csv_rows)
@@ -224,12 +225,14 @@ def free(model: nn.Module, device: torch.device) -> None:
 
 
 def layer_bytes(layer: nn.Module, placement: str, name: str) -> int:
-    """What one decoder layer adds to the device during a step: its weights, its optimizer states on the device
-    (``name`` at ``placement``) and, where the optimizer steps after backward, its gradients."""
+    """What one decoder layer adds to this rank's device during a step: its weights (their shards, none of those
+    FSDP2's ``CPUOffloadPolicy`` keeps on the host), its optimizer states on the device (``name`` at ``placement``)
+    and, where the optimizer steps after backward, its gradients."""
     spec = spec_named(name, placement) if name != NONE else None
     params = list(layer.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
-    states = sum(spec.device_state_bytes(p.numel(), p.element_size()) for p in params) if spec else 0
+    weights = sum(device_bytes(p) for p in params)
+    states = sum(spec.device_state_bytes(local_bytes(p) // p.element_size(), p.element_size())
+                 for p in params if not kept_on_host(p)) if spec else 0
     return weights + states + (weights if spec is None or spec.placement == "gpu" else 0)
 
 

@@ -83,11 +83,9 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import tiledmlp  # noqa: E402
 import tiledmlp.attention.layers  # noqa: E402
 from tiledmlp.offload.checkpointing import offloader_for  # noqa: E402
-from tiledmlp.optimizers.spec import spec_named  # noqa: E402
 from tiledmlp.plan.budgets import budgets  # noqa: E402
-from tiledmlp.plan.shapes import device_bytes, kept_on_host, local_bytes  # noqa: E402
 from bench_ddp import use_deepspeed_tiled_mlp  # noqa: E402
-from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, reset_host_peak  # noqa: E402
+from bench_longctx import MODELS, SMOKE, build_model, host_peak_gib, layer_bytes, reset_host_peak  # noqa: E402
 from bench_mlp import parse_variants  # noqa: E402
 from optimizer_step import make_states  # noqa: E402
 from reporting import fmt, gpu_slug, save_results  # noqa: E402
@@ -240,17 +238,6 @@ def measure(model: nn.Module, variant: str, tokens: int, group: Any, device: tor
             "losses": ";".join(f"{v:.4f}" for v in values.tolist()), "grads": grads}
 
 
-def layer_device_bytes(layer: nn.Module, optimizer: str) -> int:
-    """What one decoder layer adds to this rank's device during a step: its weights' shards, their gradients and,
-    with ``optimizer`` (``"adamw"``, stepped after backward), its states; nothing for shards FSDP2's
-    ``CPUOffloadPolicy`` keeps on the host."""
-    params = list(layer.parameters())
-    spec = spec_named(optimizer) if optimizer != "none" else None
-    states = sum(spec.device_state_bytes(local_bytes(p) // p.element_size(), p.element_size())
-                 for p in params if spec is not None and not kept_on_host(p))
-    return 2 * sum(device_bytes(p) for p in params) + states
-
-
 def scaled(model: nn.Module, variant: str, tokens: int, world: int, mesh: Any, args) -> dict[str, Any]:
     """``--scale-to N``: the budgets of this ``--layers``-layer run that give it the whole N-layer model's share, and
     the whole model's plan at ``tokens`` (the projection this run checks). The whole model is built on the meta
@@ -272,7 +259,7 @@ def scaled(model: nn.Module, variant: str, tokens: int, world: int, mesh: Any, a
     mine = tiledmlp.plan_memory(model, tokens, sequence_parallel=world, optimizer=optimizer, gpu_mib=1 << 30,
                                 host_mib=1 << 30).optimizer.host_bytes
     run_layers = len(model.model.layers)
-    missing = (args.scale_to - run_layers) * layer_device_bytes(model.model.layers[0], args.optimizer)
+    missing = (args.scale_to - run_layers) * layer_bytes(model.model.layers[0], "gpu", args.optimizer)
     inputs_host = host - plan.optimizer.host_bytes
     result = {"gpu_mib": (gpu - missing) / 2**20, "host_mib": (inputs_host * run_layers / args.scale_to + mine) / 2**20,
               "full_gpu_mib": gpu / 2**20, "full_host_mib": host / 2**20, "full_plan_gib": plan.gpu_peak_bytes / 2**30,

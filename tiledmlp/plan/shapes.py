@@ -44,13 +44,12 @@ def device_bytes(p: torch.Tensor) -> int:
 def compute_device(model: nn.Module) -> torch.device:
     """The device ``model`` computes on: its parameters', or, for FSDP2 shards kept on the host, their mesh's
     accelerator (the current one of its type)."""
-    for p in model.parameters():
-        if kept_on_host(p):
-            kind = p.device_mesh.device_type
-            module = torch.get_device_module(kind)
-            return torch.device(kind, module.current_device()) if module.is_available() else torch.device(kind)
-        return p.device
-    return torch.device("cpu")
+    first = next(model.parameters(), None)
+    if first is None or not kept_on_host(first):
+        return first.device if first is not None else torch.device("cpu")
+    kind = first.device_mesh.device_type
+    module = torch.get_device_module(kind)
+    return torch.device(kind, module.current_device()) if module.is_available() else torch.device(kind)
 
 
 @dataclass(frozen=True)
