@@ -26,8 +26,8 @@ from torch import nn
 
 from .deepspeed import in_deepspeed_engine
 
-__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "is_fsdp1_wrapper",
-           "storage_freed"]
+__all__ = ["Wrapping", "detect_wrapping", "module_path", "fsdp2_units_below", "is_dtensor", "whole_tensor",
+           "is_fsdp1_wrapper", "storage_freed"]
 
 
 class Wrapping(str, enum.Enum):
@@ -71,6 +71,21 @@ _DTENSOR = _dtensor_type()  # a plain global, not a cache: compiled code reads i
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a ``DTensor`` ``t`` (one all-gather over its mesh), where its local shard lives. A shard
+    FSDP2's ``CPUOffloadPolicy`` keeps on the host is gathered on its mesh's device (NCCL sends no host memory) and
+    brought back. Communication: one all-gather; memory: the whole tensor, and on the device while it is gathered."""
+    local, mesh = t.to_local(), t.device_mesh
+    if local.device.type == mesh.device_type:
+        return t.full_tensor()
+    from torch.distributed.tensor import DTensor
+
+    device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    on_mesh = DTensor.from_local(local.to(device), mesh, t.placements, run_check=False, shape=t.shape,
+                                 stride=t.stride())
+    return on_mesh.full_tensor().to(local.device)
 
 
 def storage_freed(t: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..distributed.deepspeed import full_shape, gathered
-from ..distributed.detect import is_dtensor
+from ..distributed.detect import is_dtensor, whole_tensor
 from ..forms.base import Slot
 from ..forms.kind import Kind
 from ..forms.moe import GATE_ATTRS, ExpertsLayout, MoEForm
@@ -165,7 +165,7 @@ def _recognize_experts(module: nn.Module, forward: Callable[..., Any], slots: Se
     if not layouts:
         return generic("its two 3-D weights do not chain hidden -> (2 x) intermediate -> hidden in either storage "
                        "order")
-    full = [p.full_tensor() if is_dtensor(p) else p for p in params]
+    full = [whole_tensor(p) if is_dtensor(p) else p for p in params]
     num_experts = full[layouts[0][1].up].shape[0]
     failure: Optional[Exception] = None
     for hidden in dict.fromkeys(lay.w_up(full).shape[1] for _, lay in layouts):  # the widths the shapes allow

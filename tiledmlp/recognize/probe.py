@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.compat import matmul_4bit
-from ..distributed.detect import fsdp2_units_below, is_dtensor
+from ..distributed.detect import fsdp2_units_below, is_dtensor, whole_tensor
 from ..distributed.hooks import silenced_hooks
 from ..forms.base import Slot, dedupe, swapped
 from ..forms.lora import LowRank
@@ -113,7 +113,7 @@ class Probe:
                  adapters: Sequence[LowRank] = (), weights: Sequence[int] = (),
                  projections: Sequence[tuple[LinearLike, int, Optional[int]]] = ()) -> None:
         self.forward, self.module, self.slots = forward, module, slots
-        full = [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
+        full = [whole_tensor(p.detach()) if is_dtensor(p) else p.detach() for p in (s.get() for s in slots)]
         self.proxies = [p.float() if p.dtype in (torch.bfloat16, torch.float16) else p for p in full]
         gen = torch.Generator(device=self.proxies[0].device if self.proxies else "cpu").manual_seed(2)
         for lin, weight, bias in projections:
@@ -265,12 +265,12 @@ def dequantized_linear_problem(lin: LinearLike) -> str:
         return f"cannot be dequantized: {problem}"
     state = quant_state_of(m)
     packed = m.weight.detach()
-    packed = packed.full_tensor() if is_dtensor(packed) else packed
+    packed = whole_tensor(packed) if is_dtensor(packed) else packed
     device = state.absmax.device
     tokens = torch.randn(PROBE_TOKENS, lin.in_features, device=device,
                          generator=torch.Generator(device=device).manual_seed(3))
     bias = None if getattr(m, "bias", None) is None else m.bias.detach().float()
-    bias = bias.full_tensor() if bias is not None and is_dtensor(bias) else bias
+    bias = whole_tensor(bias) if bias is not None and is_dtensor(bias) else bias
     with torch.no_grad(), exact_float32():
         got = matmul_4bit(tokens, packed, state, bias)
         want = F.linear(tokens, dequantize(packed, state, torch.float32), bias)
